@@ -1,0 +1,1 @@
+"""Coalesce: dedup_service."""

@@ -1,0 +1,49 @@
+"""Regenerate the Python code beside the .proto sources: `python scripts/gen_protos.py [OUT_DIR]`.
+
+protoc names imports after the proto package (`from coalesce.v1 import x_pb2`); our generated code lives in
+the `protos` Python package, so the imports are rewritten to `from protos.coalesce.v1 import x_pb2`.
+The freshness test runs this into a temporary folder and compares.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "protos"
+PACKAGE_DIR = Path("coalesce") / "v1"
+
+
+def generate(out_root: Path) -> list[Path]:
+    """Write *_pb2.py, *_pb2.pyi and *_pb2_grpc.py for every .proto into out_root/coalesce/v1."""
+    sources = sorted((PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+    out_root.mkdir(parents=True, exist_ok=True)
+    include = Path(protoc.__file__).parent / "_proto"
+    args = [
+        "protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        *(str(s.relative_to(PROTO_ROOT)) for s in sources),
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit("protoc failed")
+    written = sorted((out_root / PACKAGE_DIR).glob("*_pb2*.py*"))
+    for path in written:
+        text = re.sub(r"^from coalesce\.v1 import", "from protos.coalesce.v1 import", path.read_text(), flags=re.M)
+        path.write_text(text)
+    for pkg in (out_root / "coalesce", out_root / PACKAGE_DIR):
+        init = pkg / "__init__.py"
+        if not init.exists():
+            init.write_text("")
+    return written
+
+
+if __name__ == "__main__":
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else PROTO_ROOT)

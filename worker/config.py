@@ -1,0 +1,28 @@
+"""Settings of one worker process (part of the service-wide settings in control_plane.config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class WorkerSettings(BaseModel):
+    """What a worker loads and how much cache it keeps."""
+
+    # "builtin" for the built-in noise model, or a local Hugging Face checkpoint directory.
+    model: str = "builtin"
+    # "auto" picks CUDA when present, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Weights' and cache's dtype; "auto" is float32 on CPU and bfloat16 on CUDA.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    host: str = "127.0.0.1"
+    # 0 picks a free port (the chosen one is printed).
+    port: int = Field(default=50061, ge=0, le=65535)
+    # KV cache budget in MiB; 0 means a fraction (kv_cache_fraction) of free memory on CUDA, 256 MiB on CPU.
+    kv_cache_mb: int = Field(default=0, ge=0)
+    kv_cache_fraction: float = Field(default=0.8, gt=0, le=0.95)
+    # Tokens per KV block.
+    block_size: int = Field(default=16, ge=1, le=1024)
+    # Seed of the built-in model's weights.
+    builtin_seed: int = 0
