@@ -1,0 +1,140 @@
+"""Attention through the paged KV cache.
+
+Each step first writes its new K/V into cache slots (slot = block_table[pos // bs] * bs + pos % bs), then each
+sequence's new queries attend causally over its whole cached context, read through its block table.
+Single-token sequences (decodes) are attended in one batched gather + masked SDPA call; longer ones (prefill
+chunks) one sequence at a time. All index tensors are built once per step (`build_metadata`) and reused by
+every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker.batch import PackedBatch
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """All single-token sequences of a step, padded to the longest context L."""
+
+    rows: torch.Tensor  # [D] their rows in the packed batch
+    slots: torch.Tensor  # [D, L] cache slot of each context position (padding points at any valid slot)
+    mask: torch.Tensor  # [D, 1, 1, L] True where the query may attend
+
+
+@dataclass(slots=True)
+class Prefill:
+    """One sequence with several new tokens."""
+
+    first_row: int
+    num_tokens: int
+    slots: torch.Tensor  # [L] cache slots of positions 0..L-1, L = start + num_tokens
+    mask: torch.Tensor  # [1, 1, num_tokens, L]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slots: torch.Tensor  # [T] where each new token's K/V goes
+    decode: DecodeGroup | None
+    prefills: list[Prefill]
+
+
+def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[len(q_pos), length] causal mask, limited to the last `window` positions when set (as transformers)."""
+    k_pos = torch.arange(length)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
+    return mask
+
+
+def build_metadata(
+    batch: PackedBatch, block_size: int, sliding_window: int | None, device: torch.device
+) -> AttentionMetadata:
+    """Slot indices and masks of one step, computed on the CPU and moved to `device` once."""
+    offsets = torch.arange(block_size)
+    new_slots: list[torch.Tensor] = []
+    prefills: list[Prefill] = []
+    dec_rows: list[int] = []
+    dec_seqs = []
+    row = 0
+    for s in batch.seqs:
+        end = s.start + s.num_tokens
+        if s.num_tokens < 1 or s.start < 0 or len(s.block_table) * block_size < end:
+            raise ValueError(
+                f"seq {s.seq_id}: start={s.start} num_tokens={s.num_tokens} needs {end} positions, "
+                f"its {len(s.block_table)} blocks of {block_size} hold {len(s.block_table) * block_size}"
+            )
+        if s.num_tokens == 1:
+            dec_rows.append(row)
+            dec_seqs.append(s)
+            p = s.start
+            new_slots.append(torch.tensor([s.block_table[p // block_size] * block_size + p % block_size]))
+        else:
+            nblocks = -(-end // block_size)
+            table = torch.tensor(s.block_table[:nblocks])
+            slots = (table[:, None] * block_size + offsets).flatten()[:end]
+            mask = _mask(torch.arange(s.start, end), end, sliding_window)
+            prefills.append(Prefill(row, s.num_tokens, slots.to(device), mask[None, None].to(device)))
+            new_slots.append(slots[s.start :])
+        row += s.num_tokens
+    if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
+        raise ValueError(
+            f"batch has {batch.num_tokens} token ids and {batch.positions.numel()} positions, seqs say {row}"
+        )
+
+    decode = None
+    if dec_seqs:
+        length = max(s.start for s in dec_seqs) + 1
+        nblocks = -(-length // block_size)
+        tables = torch.zeros(len(dec_seqs), nblocks, dtype=torch.int64)
+        for i, s in enumerate(dec_seqs):
+            used = s.block_table[: -(-(s.start + 1) // block_size)]
+            tables[i, : len(used)] = torch.tensor(used)
+        slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :length]
+        mask = _mask(torch.tensor([s.start for s in dec_seqs]), length, sliding_window)
+        decode = DecodeGroup(torch.tensor(dec_rows).to(device), slots.to(device), mask[:, None, None].to(device))
+    return AttentionMetadata(torch.cat(new_slots).to(device), decode, prefills)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KV, D]; caches: [blocks, block_size, KV, D]. Returns [T, H * D]."""
+    t, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
+    k_flat.index_copy_(0, meta.slots, k)
+    v_flat.index_copy_(0, meta.slots, v)
+
+    out = q.new_empty(t, heads, dim)
+    if meta.decode is not None:
+        d = meta.decode
+        # One query per sequence: lay the `group` query heads that share a KV head along the query axis, so
+        # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
+        qd = (q if not meta.prefills else q[d.rows]).view(-1, kv_heads, group, dim)
+        keys, values = k_flat[d.slots].transpose(1, 2), v_flat[d.slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
+        if not meta.prefills:
+            return od.reshape(t, heads * dim)
+        out[d.rows] = od
+    for p in meta.prefills:
+        length = p.slots.numel()
+        # Repeat each KV head for its query heads (as transformers' repeat_kv): [1, H, L, dim].
+        keys = k_flat[p.slots][:, :, None].expand(length, kv_heads, group, dim).reshape(length, heads, dim)
+        values = v_flat[p.slots][:, :, None].expand(length, kv_heads, group, dim).reshape(length, heads, dim)
+        rows = slice(p.first_row, p.first_row + p.num_tokens)
+        qp = q[rows].transpose(0, 1)[None]
+        op = F.scaled_dot_product_attention(qp, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], p.mask)
+        out[rows] = op[0].transpose(0, 1)
+    return out.reshape(t, heads * dim)

@@ -1,0 +1,234 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) in one file, gpt-fast style.
+
+The forward pass runs on packed tokens ([T, hidden], no padding) and does attention through the paged KV
+cache (see worker.attention). Module names are our own; worker.weights maps Hugging Face names onto them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionMetadata, attend
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The parts of a Hugging Face `config.json` that the forward pass needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # llama3 parameters, or None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    sliding_window: int | None  # None: full causal attention
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse (and check) a `config.json` dict; raises ValueError for what the model cannot run."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else f"<none; model_type={hf.get('model_type')!r}>"
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (only silu)")
+        if hf.get("mlp_bias", False):
+            raise ValueError("unsupported mlp_bias=true")
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        max_pos = int(hf["max_position_embeddings"])
+        theta, scaling = _parse_rope(hf)
+        llama_bias = arch == "LlamaForCausalLM" and bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+            o_bias=llama_bias,
+            sliding_window=_parse_sliding_window(arch, hf, max_pos),
+        )
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and llama3 scaling, from either `rope_parameters` (transformers 5) or `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("unsupported partial_rotary_factor != 1")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        return theta, params
+    raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, llama3")
+
+
+def _parse_sliding_window(arch: str, hf: dict[str, Any], max_pos: int) -> int | None:
+    window = hf.get("sliding_window")
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2 applies its window only to some layers, and only with use_sliding_window=true.
+        if hf.get("use_sliding_window", False):
+            raise ValueError("unsupported: Qwen2 with use_sliding_window=true")
+        return None
+    if arch == "MistralForCausalLM" and window is not None and int(window) < max_pos:
+        return int(window)
+    return None
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as transformers does (plain, or llama3-scaled)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE in the half-split layout of HF checkpoints. x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32, then scale in the model dtype, as transformers does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.sizes = [q_size, kv_size, kv_size]
+        # q, k and v in one matmul: fewer kernel launches per layer, which is what small decode steps pay for.
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        out = attend(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache[0], cache[1], meta)
+        return self.o(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder blocks, final norm and LM head (tied to the embedding when the config says so)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        # Not in checkpoints: loaders that build on the meta device must set it again on the real device.
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for packed tokens; writes their K/V into `caches`."""
+        x = self.embed(token_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

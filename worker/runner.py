@@ -1,0 +1,75 @@
+"""The model runner: one forward pass over a packed batch, through the paged KV cache.
+
+It executes what the engine decided (which tokens, which blocks); it decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention import build_metadata
+from worker.batch import PackedBatch
+from worker.config import WorkerSettings
+from worker.kv_cache import KVCache, blocks_for_budget, budget_bytes
+from worker.model import Transformer
+from worker.weights import LoadedModel, load_model
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        if not isinstance(loaded.model, Transformer):
+            raise TypeError(f"expected a worker.model.Transformer, got {type(loaded.model).__name__}")
+        self.loaded, self.model = loaded, loaded.model
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device, self.dtype = device, dtype
+        self.max_context = loaded.config.max_position_embeddings
+        self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype)
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> ModelRunner:
+        """Resolve device and dtype, load the model, then size the cache from what memory is left."""
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        loaded = load_model(settings.model, device, dtype, settings.builtin_seed)
+        budget = budget_bytes(settings, device)
+        num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget)
+        return cls(loaded, num_blocks, settings.block_size, device, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:
+        """Float32 logits of each sequence's last new token ([num_seqs, vocab], in `batch.seqs` order), or of
+        every new token ([T, vocab]) when `all_logits`."""
+        meta = build_metadata(batch, self.block_size, self.loaded.config.sliding_window, self.device)
+        model = self.model
+        tokens = batch.token_ids.to(self.device, non_blocking=True)
+        positions = batch.positions.to(self.device, non_blocking=True)
+        hidden = model(tokens, positions, self.cache.layers, meta)
+        if not all_logits:
+            last, ends = 0, []
+            for s in batch.seqs:
+                last += s.num_tokens
+                ends.append(last - 1)
+            if len(ends) < hidden.shape[0]:
+                hidden = hidden[torch.tensor(ends, device=self.device)]
+        return model.logits(hidden).float()
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's K/V into block dst, for each (src, dst)."""
+        self.cache.copy_blocks(pairs)
