@@ -1,0 +1,79 @@
+"""gRPC errors with google.rpc details (DESIGN §3): BadRequest field violations, ErrorInfo, RetryInfo."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "coalesce.v1"
+
+
+@dataclass
+class ApiError(Exception):
+    """An error to return to the caller as a gRPC status; raised anywhere in the request path."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    # (field path, description) pairs for BadRequest.
+    violations: list[tuple[str, str]] = field(default_factory=list)
+    retry_after_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+    def to_status(self) -> grpc.Status:
+        details: list[any_pb2.Any] = []
+        if self.violations:
+            bad = error_details_pb2.BadRequest(
+                field_violations=[
+                    error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in self.violations
+                ]
+            )
+            details.append(_pack(bad))
+        if self.reason:
+            details.append(_pack(error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN)))
+        if self.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromMilliseconds(max(1, round(self.retry_after_s * 1000)))
+            details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+        proto = status_pb2.Status(code=self.code.value[0], message=self.message, details=details)
+        return rpc_status.to_status(proto)
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> None:
+        status = self.to_status()
+        await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+def _pack(message: Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def invalid(field_path: str, description: str) -> ApiError:
+    """INVALID_ARGUMENT for one field; the message names the field."""
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_path}: {description}", "INVALID_ARGUMENT",
+                    [(field_path, description)])  # fmt: skip
+
+
+def invalid_fields(violations: list[tuple[str, str]]) -> ApiError:
+    message = "; ".join(f"{f}: {d}" for f, d in violations)
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT", violations)
+
+
+def not_found(what: str) -> ApiError:
+    return ApiError(grpc.StatusCode.NOT_FOUND, what, "NOT_FOUND")
+
+
+def exhausted(message: str, retry_after_s: float, reason: str = "QUEUE_FULL") -> ApiError:
+    return ApiError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason, retry_after_s=retry_after_s)
+
+
+def unavailable(message: str, reason: str = "UNAVAILABLE", retry_after_s: float | None = 1.0) -> ApiError:
+    return ApiError(grpc.StatusCode.UNAVAILABLE, message, reason, retry_after_s=retry_after_s)

@@ -1,0 +1,101 @@
+"""Validation of public requests (pure): every violation is reported with its field path."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from control_plane.errors import ApiError, invalid, invalid_fields
+from protos.coalesce.v1 import inference_pb2
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_STOP_BYTES = 256
+MAX_KEY_BYTES = 256
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model and the settings allow."""
+
+    model_name: str
+    vocab_size: int
+    max_context: int
+    default_max_tokens: int
+    max_stop_strings: int
+
+
+def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix: str = "") -> None:
+    """Raise INVALID_ARGUMENT listing every bad field of a GenerateRequest (before tokenization)."""
+    v: list[tuple[str, str]] = []
+    which = req.WhichOneof("prompt")
+    if which is None:
+        v.append((prefix + "prompt", "set either text or token_ids"))
+    elif which == "text" and not req.text:
+        v.append((prefix + "text", "must not be empty"))
+    elif which == "token_ids":
+        if not req.token_ids.ids:
+            v.append((prefix + "token_ids.ids", "must not be empty"))
+        bad = next((i for i, t in enumerate(req.token_ids.ids) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            v.append((f"{prefix}token_ids.ids[{bad}]", f"{req.token_ids.ids[bad]} is outside [0, {limits.vocab_size})"))
+    s = req.sampling
+    sp = prefix + "sampling."
+    if not (math.isfinite(s.temperature) and 0 <= s.temperature <= MAX_TEMPERATURE):
+        v.append((sp + "temperature", f"{s.temperature} is outside [0, {MAX_TEMPERATURE:g}]"))
+    if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
+        v.append((sp + "top_p", f"{s.top_p} is outside (0, 1] (0 means 1)"))
+    if s.top_k < 0:
+        v.append((sp + "top_k", f"{s.top_k} is negative"))
+    if s.max_tokens < 0:
+        v.append((sp + "max_tokens", f"{s.max_tokens} must be >= 1 (0 means the default)"))
+    if not 0 <= s.logprobs <= MAX_LOGPROBS:
+        v.append((sp + "logprobs", f"{s.logprobs} is outside [0, {MAX_LOGPROBS}]"))
+    if len(s.stop) > limits.max_stop_strings:
+        v.append((sp + "stop", f"{len(s.stop)} stop strings; at most {limits.max_stop_strings}"))
+    for i, stop in enumerate(s.stop):
+        if not stop or len(stop.encode()) > MAX_STOP_BYTES:
+            v.append((f"{sp}stop[{i}]", f"must be 1 to {MAX_STOP_BYTES} bytes"))
+    for i, t in enumerate(s.stop_token_ids):
+        if not 0 <= t < limits.vocab_size:
+            v.append((f"{sp}stop_token_ids[{i}]", f"{t} is outside [0, {limits.vocab_size})"))
+    if req.pool not in inference_pb2.Pool.values():
+        v.append((prefix + "pool", f"unknown pool {req.pool}"))
+    if req.dedup not in inference_pb2.DedupPolicy.values():
+        v.append((prefix + "dedup", f"unknown dedup policy {req.dedup}"))
+    if req.request_id and not REQUEST_ID.fullmatch(req.request_id):
+        v.append((prefix + "request_id", "must be 1 to 128 characters of [A-Za-z0-9._:-]"))
+    if len(req.idempotency_key.encode()) > MAX_KEY_BYTES:
+        v.append((prefix + "idempotency_key", f"longer than {MAX_KEY_BYTES} bytes"))
+    if req.model and req.model != limits.model_name:
+        v.append((prefix + "model", f"{req.model!r} is not served here (this server serves {limits.model_name!r})"))
+    if v:
+        raise invalid_fields(v)
+
+
+def resolve_max_tokens(prompt_tokens: int, requested: int, limits: Limits, prefix: str = "") -> int:
+    """The completion budget: requested (or the default, capped by the context); over the context is an error."""
+    if prompt_tokens >= limits.max_context:
+        raise invalid(
+            prefix + "prompt",
+            f"prompt has {prompt_tokens} tokens; the model's context is {limits.max_context} tokens",
+        )
+    if requested == 0:
+        return min(limits.default_max_tokens, limits.max_context - prompt_tokens)
+    if prompt_tokens + requested > limits.max_context:
+        raise invalid(
+            prefix + "sampling.max_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({requested}) = {prompt_tokens + requested} "
+            f"exceeds the model's context of {limits.max_context} tokens",
+        )
+    return requested
+
+
+def check_idempotency_key(key: str) -> None:
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise invalid("x-idempotency-key", f"longer than {MAX_KEY_BYTES} bytes")
+
+
+__all__ = ["ApiError", "Limits", "check_idempotency_key", "resolve_max_tokens", "validate_generate"]
