@@ -1,0 +1,259 @@
+"""The control plane's core: admits sequences onto worker links, turns sampled tokens into text and
+fans them out, cancels, recovers from lost workers, and forgets generations after the resume window.
+
+Everything here runs on the event loop thread; the step loop calls `_on_events` synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from control_plane.config import Settings
+from control_plane.detokenize import IncrementalText
+from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
+from control_plane.generation import Generation
+from control_plane.routing import choose_worker
+from control_plane.scheduler import QueueFull, TooLarge
+from control_plane.sequence import SeqEvent, Sequence
+from control_plane.validation import Limits
+from control_plane.worker_link import WorkerLink
+from protos.coalesce.v1 import inference_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH}
+
+
+@dataclass(slots=True)
+class GenerationSpec:
+    """A validated, tokenized request, ready to schedule."""
+
+    request_id: str
+    tenant: str
+    prompt_ids: list[int]
+    max_tokens: int
+    pool: str
+    sampling: worker_pb2.WorkerSampling
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    traceparent: str = ""
+
+
+@dataclass(slots=True)
+class Active:
+    """A sequence being computed for a generation."""
+
+    spec: GenerationSpec
+    seq: Sequence
+    gen: Generation
+    text: IncrementalText
+    link: WorkerLink
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, addresses: list[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.links = [WorkerLink(a, settings, self._on_events, self._on_lost, clock) for a in addresses]
+        self.generations: dict[str, Generation] = {}
+        self.tokenizer: Tokenizer | None = None
+        self.limits: Limits | None = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self._active: dict[int, Active] = {}
+        self._by_request: dict[str, Active] = {}
+        self._next_seq = 1
+        self._tasks: list[asyncio.Task[None]] = []
+        # Observers of every step (metrics, traces): (link, events, response).
+        self.step_listeners: list[Callable[[WorkerLink, list[SeqEvent], worker_pb2.StepResponse], None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self, timeout: float = 120.0) -> None:
+        """Connect to every worker and learn the model from the first one."""
+        self._tasks = [asyncio.create_task(link.run(), name=f"link {link.address}") for link in self.links]
+        self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
+        waits = [asyncio.create_task(link.connected.wait()) for link in self.links]
+        done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if not done:
+            raise RuntimeError(f"no worker answered within {timeout:.0f} s: {[link.address for link in self.links]}")
+        info = next(link.info for link in self.links if link.info is not None)
+        assert info is not None
+        self.tokenizer = Tokenizer.from_str(info.tokenizer_json.decode())
+        self.eos_ids = frozenset(info.eos_token_ids)
+        self.limits = Limits(
+            model_name=info.model_name,
+            vocab_size=info.vocab_size,
+            max_context=info.max_context,
+            default_max_tokens=self.settings.default_max_tokens,
+            max_stop_strings=self.settings.max_stop_strings,
+        )
+
+    async def stop(self) -> None:
+        for link in self.links:
+            link.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def info(self) -> worker_pb2.InfoResponse:
+        return next(link.info for link in self.links if link.info is not None)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def submit(self, spec: GenerationSpec, gen: Generation | None = None) -> Generation:
+        """Schedule a generation (or continue `gen`: its logged tokens are re-prefilled, then it goes on)."""
+        assert self.tokenizer is not None, "submit before start()"
+        if gen is None:
+            gen = Generation(spec.request_id, spec.tenant, prompt_tokens=len(spec.prompt_ids))
+        seq = self._sequence(spec, list(gen.token_ids))
+        link = self._route(seq)
+        self._enqueue(link, seq, spec.pool)
+        active = Active(spec, seq, gen, IncrementalText(self.tokenizer, spec.stop), link)
+        self._active[seq.seq_id] = active
+        self._by_request[spec.request_id] = active
+        self.generations[spec.request_id] = gen
+        return gen
+
+    def _sequence(self, spec: GenerationSpec, output_ids: list[int]) -> Sequence:
+        seq = Sequence(
+            seq_id=self._next_seq,
+            request_id=spec.request_id,
+            tenant=spec.tenant,
+            pool=spec.pool,
+            prompt_ids=list(spec.prompt_ids),
+            max_tokens=spec.max_tokens,
+            sampling=spec.sampling,
+            eos_ids=self.eos_ids,
+            stop_token_ids=frozenset(spec.stop_token_ids),
+            ignore_eos=spec.ignore_eos,
+            traceparent=spec.traceparent,
+            output_ids=output_ids,
+        )
+        self._next_seq += 1
+        return seq
+
+    @staticmethod
+    def _enqueue(link: WorkerLink, seq: Sequence, pool: str) -> None:
+        try:
+            link.submit(seq)
+        except QueueFull as full:
+            raise exhausted(f"the {pool} pool's queue is full", full.retry_after_s) from None
+        except TooLarge as err:
+            raise invalid("sampling.max_tokens", f"the request cannot fit the KV cache: {err}") from None
+
+    def get(self, request_id: str, tenant: str) -> Generation:
+        gen = self.generations.get(request_id)
+        if gen is None or gen.tenant != tenant:  # never reveal another tenant's request
+            raise not_found(f"request {request_id!r} is unknown or expired")
+        return gen
+
+    def cancel(self, request_id: str, tenant: str) -> bool:
+        gen = self.get(request_id, tenant)
+        if gen.done:
+            return False
+        active = self._by_request.get(request_id)
+        if active is not None:
+            active.link.abort(active.seq.seq_id)
+            self._forget(active)
+        gen.finish(inference_pb2.FINISH_REASON_CANCELLED, self.clock())
+        return True
+
+    def attach(self, gen: Generation) -> None:
+        gen.subscribers += 1
+        gen.detached_at = None
+
+    def detach(self, gen: Generation) -> None:
+        gen.subscribers -= 1
+        if gen.subscribers == 0:
+            gen.detached_at = self.clock()
+
+    # -- step results ------------------------------------------------------------------------------------
+    def _on_events(self, link: WorkerLink, events: list[SeqEvent], resp: worker_pb2.StepResponse) -> None:
+        logprobs = {t.seq_id: t.token for t in resp.tokens if t.token.top or t.token.logprob}
+        now = self.clock()
+        for event in events:
+            active = self._active.get(event.seq.seq_id)
+            if active is None:
+                continue
+            gen, seq = active.gen, active.seq
+            if not gen.token_ids and seq.dwell is not None and gen.queue_ms == 0:
+                gen.queue_ms = seq.dwell * 1000
+                gen.cached_tokens = seq.cached_prompt_tokens
+            gen.append(event.token, active.text.push(event.token), logprobs.get(seq.seq_id))
+            reason = event.finish_reason
+            if reason is None and active.text.stopped:
+                link.finish(seq.seq_id, "stop")
+                reason = "stop"
+            if reason is not None:
+                gen.add_text(active.text.flush())
+                gen.finish(FINISH[reason], now)
+                self._forget(active)
+        for listener in self.step_listeners:
+            listener(link, events, resp)
+
+    def _on_lost(self, link: WorkerLink, everything: bool) -> None:
+        """A worker was lost (its sequences are requeued there for recompute): move them to live workers.
+
+        With `everything`, the link's scheduler was replaced (the worker came back with another cache),
+        so all its sequences are rebuilt, onto itself if need be.
+        """
+        live = [other for other in self.links if other is not link and other.connected.is_set()]
+        if everything:
+            live.append(link)
+        if not live:
+            return  # they wait in this link's queues for the worker to return
+        for active in [a for a in self._active.values() if a.link is link]:
+            link.abort(active.seq.seq_id)
+            self._forget(active)
+            seq = self._sequence(active.spec, list(active.seq.output_ids))
+            target = self._route(seq, live)
+            try:
+                self._enqueue(target, seq, active.spec.pool)
+            except ApiError as err:
+                active.gen.finish(inference_pb2.FINISH_REASON_ERROR, self.clock(), err)
+                continue
+            active.seq, active.link = seq, target
+            self._active[seq.seq_id] = active
+            self._by_request[active.spec.request_id] = active
+
+    def _route(self, seq: Sequence, links: list[WorkerLink] | None = None) -> WorkerLink:
+        candidates = [link for link in (links or self.links) if link.scheduler is not None]
+        connected = [link for link in candidates if link.connected.is_set()] or candidates
+        if not connected:
+            raise unavailable("no worker is connected")
+        index = choose_worker(
+            [link.scheduler for link in connected],  # type: ignore[misc]
+            seq.tokens(),
+            seq.tenant,
+            self.settings.scheduler.merge_weight,
+        )
+        return connected[index]
+
+    def _forget(self, active: Active) -> None:
+        self._active.pop(active.seq.seq_id, None)
+        if self._by_request.get(active.gen.request_id) is active:
+            del self._by_request[active.gen.request_id]
+
+    # -- housekeeping ------------------------------------------------------------------------------------
+    def sweep(self, now: float) -> None:
+        """Cancel generations nobody has read for the grace period; forget finished ones after it."""
+        grace = self.settings.resume_grace_s
+        for request_id, gen in list(self.generations.items()):
+            if not gen.done and gen.detached_at is not None and now - gen.detached_at >= grace:
+                log.info("request %s abandoned for %.0f s: cancelled", request_id, grace)
+                self.cancel(request_id, gen.tenant)
+            if gen.done and gen.finished_at is not None and now - gen.finished_at >= grace and gen.subscribers == 0:
+                del self.generations[request_id]
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, max(0.05, self.settings.resume_grace_s / 4)))
+            self.sweep(self.clock())

@@ -1,0 +1,129 @@
+"""Process entry points: `coalesce serve` (control plane + spawned workers, embedded defaults) and
+`coalesce control-plane` (against workers started elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from control_plane.config import Settings
+from control_plane.dispatcher import Dispatcher
+from control_plane.server import InferenceService
+from control_plane.worker_procs import WorkerProcess, spawn_workers
+from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+DRAIN_S = 10.0
+BUILTIN_NOTE = "note: the built-in model's output is noise; `--model DIR` loads a Hugging Face checkpoint"
+
+
+async def serve_control_plane(
+    settings: Settings,
+    addresses: list[str],
+    on_ready: Callable[[int, Dispatcher], Awaitable[None] | None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the public API until `stop` is set; then drain: NOT_SERVING, finish in-flight calls, stop."""
+    stop = stop or asyncio.Event()
+    dispatcher = Dispatcher(settings, addresses)
+    await dispatcher.start()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_request_bytes),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ]
+    )
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(dispatcher, settings), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        if on_ready is not None:
+            result = on_ready(port, dispatcher)
+            if result is not None:
+                await result
+        await stop.wait()
+    finally:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=DRAIN_S)
+        await dispatcher.stop()
+
+
+def _install_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _supervise(workers: list[WorkerProcess]) -> None:
+    while True:
+        await asyncio.sleep(0.2)
+        for w in workers:
+            w.ensure_running()
+
+
+def run_serve(settings: Settings, demo: bool = False) -> None:
+    """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workers = spawn_workers(settings.worker, settings.workers)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        _install_signals(stop)
+        supervisor = asyncio.create_task(_supervise(workers))
+
+        async def ready(port: int, dispatcher: Dispatcher) -> None:
+            info = dispatcher.info
+            print(f"coalesce serving {info.model_name} on {settings.host}:{port} "
+                  f"({len(workers)} worker(s), {info.device}); Ctrl-C stops", flush=True)  # fmt: skip
+            if info.model_name == "builtin":
+                print(BUILTIN_NOTE, flush=True)
+            if demo:
+                from control_plane.demo import run_demo
+
+                await run_demo(f"{settings.host}:{port}")
+
+        try:
+            await serve_control_plane(settings, [w.address for w in workers], ready, stop)
+        finally:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
+
+    try:
+        asyncio.run(main())
+    finally:
+        for w in workers:
+            w.stop()
+        print("coalesce stopped", flush=True)
+
+
+def run_control_plane(settings: Settings) -> None:
+    """`coalesce control-plane --worker HOST:PORT ...`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        _install_signals(stop)
+
+        def ready(port: int, dispatcher: Dispatcher) -> None:
+            print(f"coalesce control plane on {settings.host}:{port} -> {', '.join(settings.worker_addresses)}",
+                  flush=True)  # fmt: skip
+
+        await serve_control_plane(settings, settings.worker_addresses, ready, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,175 @@
+"""One worker: its Info, its Scheduler, and the Step stream that runs the scheduler's plans on it.
+
+The loop is strictly one step in flight: schedule, send, read the result, complete. A lost worker (the
+stream breaks, the process died) hands every sequence back to the dispatcher for recompute and the link
+reconnects with backoff; a restarted worker starts a fresh session (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from control_plane.config import Settings
+from control_plane.scheduler import Scheduler
+from control_plane.sequence import SeqEvent, Sequence
+from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class WorkerLost(Exception):
+    """The Step stream broke: the worker's sequences must be recomputed."""
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Running totals for the overhead figure: time in the worker's forward vs the whole loop."""
+
+    steps: int = 0
+    forward_s: float = 0.0
+    round_trip_s: float = 0.0
+    loop_s: float = 0.0
+    tokens: int = 0
+    seqs: int = 0
+
+
+@dataclass(eq=False)
+class WorkerLink:
+    address: str
+    settings: Settings
+    # Called synchronously after each step with the sampled tokens (no awaits on the hot path).
+    on_events: Callable[[WorkerLink, list[SeqEvent], worker_pb2.StepResponse], None]
+    # Called when the worker was lost (its sequences are requeued for recompute in this link's scheduler),
+    # with True when the scheduler was replaced and every sequence must be submitted again.
+    on_lost: Callable[[WorkerLink, bool], None]
+    clock: Callable[[], float] = time.monotonic
+    info: worker_pb2.InfoResponse | None = None
+    scheduler: Scheduler | None = None
+    stats: StepStats = field(default_factory=StepStats)
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _stopping: bool = False
+
+    # -- called by the dispatcher ------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence (raises QueueFull)."""
+        assert self.scheduler is not None
+        self.scheduler.add(seq)
+        self._wake.set()
+
+    def abort(self, seq_id: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort(seq_id)
+            self._wake.set()
+
+    def finish(self, seq_id: int, reason: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.finish(seq_id, reason)
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        attempt = 0
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            while not self._stopping:
+                try:
+                    await self._connect(stub)
+                    attempt = 0
+                    await self._session(stub)
+                except (grpc.aio.AioRpcError, WorkerLost) as exc:
+                    self._lose(exc)
+                    await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
+                    attempt += 1
+
+    async def _connect(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
+        geometry = (info.num_blocks, info.block_size, info.max_context)
+        replaced = self.info is not None and geometry != (
+            self.info.num_blocks,
+            self.info.block_size,
+            self.info.max_context,
+        )
+        if self.scheduler is None or replaced:
+            pools, sched = self.settings.pools, self.settings.scheduler
+            self.scheduler = Scheduler(info.num_blocks, info.block_size, pools, sched, info.max_context, self.clock)
+        self.info = info
+        self.connected.set()
+        log.info("worker %s connected: %s, %d KV blocks", self.address, info.model_name, info.num_blocks)
+        if replaced:
+            self.on_lost(self, True)
+
+    async def _session(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        call = stub.Step()
+        step_id = 0
+        try:
+            while not self._stopping:
+                plan = scheduler.schedule()
+                if plan is None:
+                    await self._idle(scheduler)
+                    continue
+                step_id += 1
+                began = time.perf_counter()
+                await call.write(plan.to_request(step_id))
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    raise WorkerLost(f"worker {self.address} ended the step stream")
+                sent = time.perf_counter()
+                events = scheduler.complete(plan, {t.seq_id: t.token.token_id for t in resp.tokens})
+                self.on_events(self, events, resp)
+                self._account(resp, began, sent)
+        finally:
+            call.cancel()
+
+    async def _idle(self, scheduler: Scheduler) -> None:
+        """Sleep until new work arrives or the batch buffer's max_wait expires."""
+        self._wake.clear()
+        wakeup = scheduler.next_wakeup()
+        timeout = None if wakeup is None else max(0.0, wakeup - self.clock())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _account(self, resp: worker_pb2.StepResponse, began: float, sent: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.forward_s += resp.forward_ms / 1000
+        s.round_trip_s += sent - began
+        s.loop_s += time.perf_counter() - began
+        s.tokens += resp.num_tokens
+
+    def _lose(self, exc: Exception) -> None:
+        was_connected = self.connected.is_set()
+        self.connected.clear()
+        if self._stopping or self.scheduler is None:
+            return
+        requeued = self.scheduler.requeue_all()
+        if was_connected:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
+        if self.scheduler.has_work():
+            self.on_lost(self, False)
+
+
+def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int]:
+    """What the scheduler is built for; a worker that returns with another needs a new scheduler."""
+    return info.num_blocks, info.block_size, info.max_context

@@ -1,0 +1,77 @@
+"""Worker child processes for `coalesce serve`: spawned (fork+exec, never a bare fork of a process that
+holds gRPC state), restarted on the same port when one dies, stopped on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from worker.config import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def worker_command(settings: WorkerSettings, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "clients.cli", "worker",
+        "--model", settings.model, "--device", settings.device, "--dtype", settings.dtype,
+        "--kv-cache-mb", str(settings.kv_cache_mb), "--block-size", str(settings.block_size),
+        "--host", settings.host, "--port", str(port),
+    ]  # fmt: skip
+
+
+@dataclass
+class WorkerProcess:
+    """One child worker on a fixed port, so a restart is found at the same address."""
+
+    settings: WorkerSettings
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(worker_command(self.settings, self.port), stdout=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ensure_running(self) -> bool:
+        """Restart a worker that died; True when it had to."""
+        if self.alive():
+            return False
+        code = self.proc.returncode if self.proc else None
+        log.warning("worker %s exited (%s); restarting it", self.address, code)
+        self.restarts += 1
+        self.start()
+        return True
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def spawn_workers(settings: WorkerSettings, count: int) -> list[WorkerProcess]:
+    workers = [WorkerProcess(settings, free_port(settings.host)) for _ in range(count)]
+    for w in workers:
+        w.start()
+    return workers
