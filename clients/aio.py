@@ -1,0 +1,190 @@
+"""The asyncio Coalesce client: the same API and policy as `clients.client`, with awaitables.
+
+    async with AsyncCoalesceClient("127.0.0.1:50051") as client:
+        async for chunk in client.generate("Hello", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Create it inside the running event loop (grpc.aio channels belong to the loop they were made in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from clients.retry import Progress, RetryPolicy, next_delay, stream_broken
+from clients.session import AsyncSession
+from clients.types import (
+    CHANNEL_OPTIONS,
+    Chunk,
+    CoalesceError,
+    Metadata,
+    Result,
+    batch_items,
+    build_request,
+    call_metadata,
+    chunk_from_proto,
+    collect,
+    error_from_rpc,
+    with_key,
+)
+from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+
+
+class AsyncGeneration:
+    """An async iterator of Chunks with the sync Generation's resume behaviour."""
+
+    def __init__(self, client: AsyncCoalesceClient, request: inference_pb2.GenerateRequest, resume_from: int | None):
+        self.request = request
+        self._client = client
+        self._progress = Progress()
+        if resume_from is not None:
+            self._progress.request_id, self._progress.offset = request.request_id, resume_from
+        self._chunks = self._run()
+
+    @property
+    def request_id(self) -> str | None:
+        return self._progress.request_id
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await anext(self._chunks)
+
+    async def result(self) -> Result:
+        return collect([chunk async for chunk in self])
+
+    async def aclose(self) -> None:
+        """Stop reading; the server keeps generating for its resume grace period."""
+        await self._chunks.aclose()
+
+    async def cancel(self) -> bool:
+        await self.aclose()
+        return await self._client.cancel(self.request_id) if self.request_id else False
+
+    async def _run(self) -> AsyncGenerator[Chunk, None]:
+        client, progress, attempt = self._client, self._progress, 0
+        while True:
+            resume = progress.resume_request()
+            if resume is None:
+                call: Any = client._stub.Generate(self.request, metadata=client._metadata(self.request))
+            else:
+                call = client._stub.Resume(resume, metadata=client._metadata())
+            try:
+                async for msg in call:
+                    chunk = progress.accept(chunk_from_proto(msg if resume is None else msg.chunk))
+                    if chunk is None:
+                        continue
+                    attempt = 0
+                    yield chunk
+                    if progress.finished:
+                        return
+                err = stream_broken()
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+            finally:
+                call.cancel()
+            attempt = await client._backoff(attempt, err)
+
+
+class AsyncCoalesceClient:
+    """An asyncio channel to a control plane; `retry=NO_RETRY` turns retries and resume off."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: float | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.address = address
+        self.retry = retry or RetryPolicy()
+        self._token = token
+        self._timeout = timeout
+        self._sleep = sleep
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+
+    async def __aenter__(self) -> AsyncCoalesceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _metadata(self, request: inference_pb2.GenerateRequest | None = None) -> Metadata:
+        return call_metadata(self._token, request.idempotency_key if request is not None else "")
+
+    def generate(self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Any) -> AsyncGeneration:
+        """Start a generation (options as `build_request`'s); nothing is sent until it is iterated."""
+        request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
+        return AsyncGeneration(self, with_key(request, self.retry.enabled), resume_from=None)
+
+    def resume(self, request_id: str, offset: int) -> AsyncGeneration:
+        return AsyncGeneration(self, inference_pb2.GenerateRequest(request_id=request_id), resume_from=offset)
+
+    def session(self) -> AsyncSession:
+        return AsyncSession(self._stub, self._metadata())
+
+    async def cancel(self, request_id: str) -> bool:
+        response = await self._unary(self._stub.Cancel, inference_pb2.CancelRequest(request_id=request_id))
+        return bool(response.cancelled)
+
+    async def model_info(self) -> inference_pb2.GetModelInfoResponse:
+        response: inference_pb2.GetModelInfoResponse = await self._unary(
+            self._stub.GetModelInfo, inference_pb2.GetModelInfoRequest()
+        )
+        return response
+
+    async def submit_batch(
+        self, batch_id: str, items: Iterable[inference_pb2.BatchItem | tuple[str, inference_pb2.GenerateRequest]]
+    ) -> inference_pb2.SubmitBatchResponse:
+        request = inference_pb2.SubmitBatchRequest(batch_id=batch_id, items=batch_items(items))
+        response: inference_pb2.SubmitBatchResponse = await self._unary(self._stub.SubmitBatch, request)
+        return response
+
+    async def get_batch(self, batch_id: str) -> list[inference_pb2.BatchItemStatus]:
+        response = await self._unary(self._stub.GetBatch, inference_pb2.GetBatchRequest(batch_id=batch_id))
+        return list(response.items)
+
+    async def watch_batch(self, batch_id: str) -> AsyncIterator[inference_pb2.BatchItemStatus]:
+        """Item states as they change until every item has ended; reconnects after a break."""
+        attempt = 0
+        while True:
+            call: Any = self._stub.WatchBatch(
+                inference_pb2.WatchBatchRequest(batch_id=batch_id), metadata=self._metadata()
+            )
+            try:
+                async for msg in call:
+                    attempt = 0
+                    yield msg.item
+                return
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+            finally:
+                call.cancel()
+            attempt = await self._backoff(attempt, err)
+
+    async def _unary(self, rpc: Callable[..., Any], request: Any) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return await rpc(request, metadata=self._metadata(), timeout=self._timeout)
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+            attempt = await self._backoff(attempt, err)
+
+    async def _backoff(self, attempt: int, err: CoalesceError) -> int:
+        delay = next_delay(self.retry, attempt, err)
+        if delay is None:
+            raise err
+        await self._sleep(delay)
+        return attempt + 1

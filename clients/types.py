@@ -1,0 +1,207 @@
+"""What the sync and asyncio clients share: result types, errors, request building. No I/O here."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from protos.coalesce.v1 import common_pb2, inference_pb2
+
+# Model info carries nothing big, but batch results can: stay well above gRPC's 4 MiB default.
+MAX_RECEIVE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, int]] = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+Metadata = tuple[tuple[str, str], ...]
+
+
+class CoalesceError(Exception):
+    """A failed call: the gRPC status plus the google.rpc details the server attached."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str, reason: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+def error_from_rpc(err: grpc.RpcError) -> CoalesceError:
+    """Convert a raised grpc (or grpc.aio) error, reading ErrorInfo and RetryInfo from its trailers."""
+    code: grpc.StatusCode = err.code()
+    message: str = err.details() or ""
+    reason = retry_after = None
+    try:
+        status = rpc_status.from_call(err)
+    except ValueError:  # details inconsistent with the status: ignore them, keep code and message
+        status = None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason or None
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            retry_after = retry.retry_delay.ToTimedelta().total_seconds()
+    return CoalesceError(code, message, reason, retry_after)
+
+
+def session_error(err: inference_pb2.SessionError) -> CoalesceError:
+    """A SessionError ends one generation of a session; it carries no RetryInfo."""
+    codes = {c.value[0]: c for c in grpc.StatusCode}
+    return CoalesceError(codes.get(err.code, grpc.StatusCode.UNKNOWN), err.message, err.reason or None)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One GenerateResponse; enum values become lower-case names ("length", "replayed"), unset ones None."""
+
+    request_id: str
+    offset: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    dedup_outcome: str | None = None
+    queue_ms: float = 0.0
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Result:
+    """A whole generation, collected from its chunks."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage | None
+    dedup_outcome: str | None
+    queue_ms: float
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+def _enum_name(enum: object, value: int, prefix: str) -> str | None:
+    return None if value == 0 else enum.Name(value).removeprefix(prefix).lower()  # type: ignore[attr-defined]
+
+
+def chunk_from_proto(msg: inference_pb2.GenerateResponse) -> Chunk:
+    usage = None
+    if msg.HasField("usage"):
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_prompt_tokens)
+    return Chunk(
+        request_id=msg.request_id,
+        offset=msg.offset,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        finish_reason=_enum_name(inference_pb2.FinishReason, msg.finish_reason, "FINISH_REASON_"),
+        usage=usage,
+        dedup_outcome=_enum_name(inference_pb2.DedupOutcome, msg.dedup_outcome, "DEDUP_OUTCOME_"),
+        queue_ms=msg.queue_ms,
+        logprobs=list(msg.logprobs),
+    )
+
+
+def collect(chunks: Iterable[Chunk]) -> Result:
+    """Fold chunks into a Result: first-chunk fields from the first, last-chunk fields from the last."""
+    result = Result("", [], "", None, None, None, 0.0)
+    texts: list[str] = []
+    for n, chunk in enumerate(chunks):
+        if n == 0:
+            result.request_id, result.dedup_outcome, result.queue_ms = (
+                chunk.request_id,
+                chunk.dedup_outcome,
+                chunk.queue_ms,
+            )
+        result.token_ids += chunk.token_ids
+        result.logprobs += chunk.logprobs
+        texts.append(chunk.text)
+        result.finish_reason = chunk.finish_reason or result.finish_reason
+        result.usage = chunk.usage or result.usage
+    result.text = "".join(texts)
+    return result
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 0,
+    temperature: float = 0,
+    top_p: float = 0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    logprobs: int = 0,
+    pool: str = "interactive",
+    stream: bool = True,
+    idempotency_key: str | None = None,
+    request_id: str | None = None,
+    dedup: str = "auto",
+) -> inference_pb2.GenerateRequest:
+    """A GenerateRequest from keyword arguments; pool and dedup are names ("batch", "off"). Validation is
+    the server's job; this only rejects what cannot be encoded."""
+    sampling = inference_pb2.SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+    )
+    req = inference_pb2.GenerateRequest(
+        sampling=sampling,
+        pool=inference_pb2.Pool.Value("POOL_" + pool.upper()),
+        stream=stream,
+        request_id=request_id or "",
+        idempotency_key=idempotency_key or "",
+        dedup=inference_pb2.DedupPolicy.Value("DEDUP_POLICY_" + dedup.upper()),
+    )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def with_key(req: inference_pb2.GenerateRequest, retries: bool) -> inference_pb2.GenerateRequest:
+    """Give the request an idempotency key when retries may resend it, so a retry never runs twice."""
+    if retries and not req.idempotency_key:
+        req = inference_pb2.GenerateRequest.FromString(req.SerializeToString())
+        req.idempotency_key = str(uuid.uuid4())
+    return req
+
+
+def call_metadata(token: str | None, idempotency_key: str = "") -> Metadata:
+    md: list[tuple[str, str]] = []
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    if idempotency_key:  # the field carries it too; the header is what proxies and other stacks look at
+        md.append(("x-idempotency-key", idempotency_key))
+    return tuple(md)
+
+
+def batch_items(
+    items: Iterable[inference_pb2.BatchItem | tuple[str, inference_pb2.GenerateRequest]],
+) -> list[inference_pb2.BatchItem]:
+    return [
+        it if isinstance(it, inference_pb2.BatchItem) else inference_pb2.BatchItem(seq_id=it[0], request=it[1])
+        for it in items
+    ]
