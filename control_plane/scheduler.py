@@ -1,0 +1,380 @@
+"""Scheduling policy for one worker (DESIGN §4.4-§4.5): pools, batch buffer, admission, preemption.
+
+Pure and synchronous: the caller owns I/O and time (the clock is injected). The loop is
+
+    plan = sched.schedule()            # None: nothing to run; sleep until next_wakeup() or an add()
+    resp = worker.step(plan.to_request(step_id))
+    events = sched.complete(plan, {t.seq_id: t.token.token_id for t in resp.tokens})
+
+with exactly one `complete` per plan, in order (a lost worker: `requeue_all` instead).
+
+Releases: a sequence the worker knows is released exactly once, in the `release` list of a plan, when it
+finishes, is aborted or is preempted. A preempted sequence keeps its seq id: it is released in the plan
+that preempts it and sent again (first sight, full re-prefill of prompt + outputs) only in a later plan,
+so a release and a re-add of one id never share a request.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from control_plane.block_manager import BlockManager
+from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
+from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
+from control_plane.step_plan import StepPlan, Work
+
+
+class QueueFull(Exception):
+    """The pool's queue is at `max_queue`; retry after `retry_after_s` (RESOURCE_EXHAUSTED + RetryInfo)."""
+
+    def __init__(self, pool: str, retry_after_s: float) -> None:
+        super().__init__(f"{pool} queue is full; retry after {retry_after_s:.2f}s")
+        self.pool = pool
+        self.retry_after_s = retry_after_s
+
+
+class TooLarge(ValueError):
+    """The sequence could never run on this worker (context or the pool's KV quota)."""
+
+
+@dataclass(slots=True)
+class Stats:
+    running: dict[str, int]
+    waiting: dict[str, int]
+    kv_used: int
+    kv_free: int  # free + cached (evictable)
+    kv_cached: int
+    kv_by_pool: dict[str, int]
+    prefix_queries: int  # tokens
+    prefix_hits: int  # tokens
+    load: float  # in [0, 1], for routing
+
+
+@dataclass(slots=True)
+class _Step:
+    """Scratch state of one `schedule` call."""
+
+    budget: int
+    lengths: list[int] = field(default_factory=list)  # prefill chunk lengths so far (ratio rule)
+    done: set[int] = field(default_factory=set)  # seqs given their work this step: not preemptible
+    preempted: set[int] = field(default_factory=set)  # not re-admitted in the step that preempted them
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        pools: PoolsSettings,
+        settings: SchedulerSettings,
+        max_context: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.bm = BlockManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.settings = settings
+        self.max_context = max_context
+        self.clock = clock
+        self.pools: dict[str, PoolSettings] = {"interactive": pools.interactive, "batch": pools.batch}
+        self.quota = {p: int(s.kv_share * num_blocks) for p, s in self.pools.items()}
+        self.waiting: dict[str, deque[Sequence]] = {p: deque() for p in POOLS}
+        self.running: dict[str, list[Sequence]] = {p: [] for p in POOLS}  # admission order, oldest first
+        self.seqs: dict[int, Sequence] = {}  # waiting and running
+        self._release: list[int] = []  # released by finish/abort since the last plan
+        self._inflight: StepPlan | None = None
+        self._epoch = 0  # bumped by requeue_all: plans of the lost worker are ignored
+        self._run_s = 1.0  # moving average of admission-to-finish time, for QueueFull retry hints
+
+    # -- requests
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (arrival = now). Raises QueueFull, TooLarge or ValueError."""
+        if seq.pool not in self.pools:
+            raise ValueError(f"unknown pool {seq.pool!r}")
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"seq {seq.seq_id} is already scheduled")
+        if not seq.prompt_ids or seq.max_tokens < 1:
+            raise ValueError("a sequence needs a prompt and max_tokens >= 1")
+        if seq.num_tokens >= self.max_context:
+            raise TooLarge(f"{seq.num_tokens} tokens leave no room to generate within {self.max_context}")
+        kv = min(seq.num_tokens + seq.max_tokens - len(seq.output_ids) - 1, self.max_context - 1)
+        need, room = -(-kv // self.block_size), min(self.quota[seq.pool], self.bm.num_blocks)
+        if need > room:
+            raise TooLarge(f"{need} KV blocks needed, the {seq.pool} pool may hold {room}")
+        pool, queue = self.pools[seq.pool], self.waiting[seq.pool]
+        if len(queue) >= pool.max_queue:
+            # Time for the queue ahead to drain, max_batch at a time, at the observed run time.
+            raise QueueFull(seq.pool, max(pool.max_wait_ms / 1000, self._run_s * len(queue) / pool.max_batch))
+        seq.arrival = self.clock()
+        seq.status = Status.WAITING
+        queue.append(seq)
+        self.seqs[seq.seq_id] = seq
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel: blocks are freed now, the worker is told in the next plan's release."""
+        return self.finish(seq_id, "abort")
+
+    def finish(self, seq_id: int, reason: str) -> bool:
+        """End a sequence from outside (stop string, cancel). False when it is unknown or already over."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        self._end(seq, reason)
+        return True
+
+    def requeue_all(self) -> list[Sequence]:
+        """The worker was lost: running sequences go back to the front of their queues, the cache is gone."""
+        self._epoch += 1
+        self._inflight = None
+        self._release.clear()  # a new session starts with no sequences
+        requeued = []
+        for p in POOLS:
+            for seq in reversed(self.running[p]):
+                self._reset(seq)
+                self.waiting[p].appendleft(seq)
+            requeued += self.running[p]
+            self.running[p] = []
+        for queue in self.waiting.values():
+            for seq in queue:
+                seq.on_worker = False
+        self.bm.reset()
+        return requeued
+
+    # -- state
+    def has_work(self) -> bool:
+        return bool(self.seqs or self._release)
+
+    def stats(self) -> Stats:
+        running = {p: len(self.running[p]) for p in POOLS}
+        waiting = {p: len(self.waiting[p]) for p in POOLS}
+        return Stats(
+            running,
+            waiting,
+            self.bm.num_used,
+            self.bm.num_available,
+            self.bm.num_cached,
+            {p: self.bm.used_by(p) for p in POOLS},
+            self.bm.queries,
+            self.bm.hits,
+            self.load(),
+        )
+
+    def load(self) -> float:
+        """Busyness in [0, 1]: the larger of KV in use and (running + waiting) over all pools' max_batch."""
+        slots = sum(s.max_batch for s in self.pools.values())
+        queued = sum(len(q) for q in self.waiting.values()) + sum(len(r) for r in self.running.values())
+        return min(1.0, max(self.bm.num_used / self.bm.num_blocks, queued / slots))
+
+    def prefix_match(self, prompt_ids: list[int], tenant: str) -> int:
+        """Prompt tokens this worker's cache would serve (read-only; for routing)."""
+        return self.bm.match(prompt_ids, tenant).tokens if prompt_ids else 0
+
+    def next_wakeup(self) -> float | None:
+        """When a held-back pool's oldest request reaches max_wait_ms (None: no timer needed)."""
+        now = self.clock()
+        times = [self._deadline(p) for p in POOLS if self.waiting[p] and not self._released(p, now)]
+        return min(times) if times else None
+
+    def _deadline(self, pool: str) -> float:
+        return self.waiting[pool][0].arrival + self.pools[pool].max_wait_ms / 1000
+
+    def _released(self, pool: str, now: float) -> bool:
+        """Batch buffer: may this pool's queue be admitted now?"""
+        queue = self.waiting[pool]
+        if not queue:
+            return False
+        if self.running[pool]:  # continuous batching: join the running batch at the next step
+            return True
+        # Enough to fill the free slots (all of max_batch, as none run), or the oldest waited long enough.
+        return len(queue) >= self.pools[pool].max_batch or now >= self._deadline(pool)
+
+    # -- one step
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step; None when there is nothing to send (no work, no release)."""
+        if self._inflight is not None:
+            raise RuntimeError("complete() the previous plan before scheduling another")
+        now = self.clock()
+        plan = StepPlan(self._epoch, release=self._release)
+        self._release = []
+        step = _Step(self.settings.max_step_tokens)
+        order = [s for p in POOLS for s in self.running[p]]  # priority: interactive then batch, oldest first
+        for seq in order:
+            if seq.decoding and seq.status is Status.RUNNING:
+                self._decode(seq, plan, step, order)
+        for seq in order:
+            if not seq.decoding and seq.status is Status.RUNNING:
+                self._prefill(seq, plan, step, self._chunk(seq.num_tokens - seq.num_computed, step))
+        self._admit(plan, step, now)
+        if not plan.works and not plan.release:
+            return None
+        self._inflight = plan
+        return plan
+
+    def _decode(self, seq: Sequence, plan: StepPlan, step: _Step, order: list[Sequence]) -> None:
+        if step.budget < 1:
+            return  # more running sequences than step tokens: the rest wait a step
+        step.done.add(seq.seq_id)
+        new: list[int] = []
+        if self.bm.slots_needed(seq, 1):
+            while not self._fits(seq.pool, 1, 1):
+                victim = self._victim(seq, order, step, quota=self.bm.used_by(seq.pool) + 1 > self.quota[seq.pool])
+                self._preempt(victim or seq, plan, step)
+                if victim is None:
+                    return
+            new.append(self.bm.append(seq))
+        plan.works.append(Work(seq, [], seq.num_computed, new, first=False, sample=True))
+        step.budget -= 1
+        self._hash(seq, plan, 1)
+
+    def _victim(self, seq: Sequence, order: list[Sequence], step: _Step, quota: bool) -> Sequence | None:
+        """Newest running sequence of the lowest priority pool not yet given work this step, never one of a
+        higher priority pool than `seq`'s; for a quota shortage only `seq`'s pool helps."""
+        rank = POOLS.index(seq.pool)
+        for s in reversed(order):
+            if POOLS.index(s.pool) < rank:
+                return None
+            if s is seq or s.status is not Status.RUNNING or s.seq_id in step.done:
+                continue
+            if not quota or s.pool == seq.pool:
+                return s
+        return None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan, step: _Step) -> None:
+        """Free `seq`'s blocks and requeue it at the front of its queue for a full recompute."""
+        self.running[seq.pool].remove(seq)
+        self._reset(seq)
+        self.waiting[seq.pool].appendleft(seq)
+        if seq.on_worker:
+            plan.release.append(seq.seq_id)
+            seq.on_worker = False
+        seq.preemptions += 1
+        step.preempted.add(seq.seq_id)
+
+    def _reset(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.status = Status.WAITING
+        seq.num_computed = 0
+        seq.hashes = []
+        seq.decoding = False
+
+    def _fits(self, pool: str, charge: int, supply: int) -> bool:
+        return self.bm.used_by(pool) + charge <= self.quota[pool] and supply <= self.bm.num_available
+
+    def _chunk(self, remaining: int, step: _Step) -> int:
+        """Tokens of a prefill that fit the step: budget, then the longest/shortest ratio (0: skip)."""
+        n = min(remaining, step.budget)
+        if n <= 0 or not step.lengths:
+            return max(n, 0)
+        ratio = self.settings.prefill_ratio
+        n = min(n, int(ratio * min(step.lengths)))  # a long prompt just takes a smaller chunk
+        return n if n * ratio >= max(step.lengths) else 0  # a short one would break the ratio: skip
+
+    def _prefill(self, seq: Sequence, plan: StepPlan, step: _Step, n: int, new: list[int] | None = None) -> None:
+        step.done.add(seq.seq_id)
+        if n <= 0:
+            return
+        start = seq.num_computed
+        end = start + n
+        first = new is not None
+        plan.works.append(Work(seq, seq.tokens()[start:end], start, new or [], first, end == seq.num_tokens))
+        step.budget -= n
+        step.lengths.append(n)
+        self._hash(seq, plan, n)
+
+    def _hash(self, seq: Sequence, plan: StepPlan, n: int) -> None:
+        """Queue the hashes of blocks this step fills, to be published when it completes."""
+        full = (seq.num_computed + n) // self.block_size
+        start = len(seq.hashes)
+        if full > start:
+            tokens = seq.tokens()[: full * self.block_size]
+            parent = seq.hashes[-1] if seq.hashes else None
+            for i, h in enumerate(self.bm.hash_blocks(tokens, seq.tenant, start, parent), start):
+                plan.publish.append((seq, i, h))
+
+    def _admit(self, plan: StepPlan, step: _Step, now: float) -> None:
+        """Admit waiting sequences, interactive first, FIFO per pool, within budget, max_batch and quota."""
+        for p in POOLS:
+            if not self._released(p, now):
+                continue
+            queue, i = self.waiting[p], 0
+            while i < len(queue) and len(self.running[p]) < self.pools[p].max_batch:
+                if step.budget <= 0:
+                    return
+                seq = queue[i]
+                if seq.seq_id in step.preempted:
+                    break  # it just lost its room; FIFO keeps the rest behind it
+                tokens = seq.tokens()
+                hit = self.bm.match(tokens, seq.tenant)
+                n = self._chunk(len(tokens) - hit.tokens, step)
+                if n == 0:
+                    if seq.skipped:
+                        return  # skipped twice: admit nothing more so it leads the next step's prefills
+                    seq.skipped = True
+                    i += 1
+                    continue
+                total = -(-len(tokens) // self.block_size)
+                if not self._fits(p, *self.bm.cost(hit, total, p)):
+                    break  # no room for the head: nothing behind it jumps ahead
+                del queue[i]
+                self._start(seq, hit.tokens, now, plan)
+                plan.copies += self.bm.allocate(seq, hit, total)
+                seq.num_computed = hit.tokens
+                self._prefill(seq, plan, step, n, new=list(seq.block_table))
+
+    def _start(self, seq: Sequence, cached: int, now: float, plan: StepPlan) -> None:
+        seq.status = Status.RUNNING
+        seq.skipped = False
+        seq.on_worker = True
+        self.running[seq.pool].append(seq)
+        if seq.first_scheduled_at is None:
+            seq.first_scheduled_at = now
+            seq.cached_prompt_tokens = min(cached, len(seq.prompt_ids))
+            plan.admitted.append(seq)
+
+    # -- results
+    def complete(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqEvent]:
+        """Apply a finished step: publish computed blocks, append sampled tokens, finish ended sequences.
+
+        Plans from before a `requeue_all` are ignored. Raises ValueError when a sampling sequence has no token.
+        """
+        if plan is not self._inflight or plan.epoch != self._epoch:
+            return []
+        self._inflight = None
+        for seq, i, h in plan.publish:
+            if seq.status is Status.RUNNING and len(seq.hashes) == i:  # not aborted while in flight
+                self.bm.publish(seq.block_table[i], h)
+                seq.hashes.append(h)
+        events = []
+        for w in plan.works:
+            seq = w.seq
+            if seq.status is not Status.RUNNING:
+                continue  # aborted or finished while the step ran; its release is already queued
+            seq.num_computed += w.num_tokens
+            if not w.sample:
+                continue
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                raise ValueError(f"the worker sampled no token for seq {seq.seq_id}")
+            seq.decoding = True
+            seq.output_ids.append(token)
+            reason = seq.stop_reason(token, self.max_context)
+            if reason is not None:
+                self._end(seq, reason)
+            events.append(SeqEvent(seq, token, reason))
+        return events
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        if seq.status is Status.RUNNING:
+            self.running[seq.pool].remove(seq)
+            self.bm.free(seq)
+        else:
+            self.waiting[seq.pool].remove(seq)
+        if seq.first_scheduled_at is not None:
+            self._run_s = 0.9 * self._run_s + 0.1 * max(0.0, self.clock() - seq.first_scheduled_at)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+        if seq.on_worker:
+            self._release.append(seq.seq_id)
+            seq.on_worker = False

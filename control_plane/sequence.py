@@ -1,0 +1,87 @@
+"""One generation as the scheduler sees it (DESIGN §4.4-§4.6).
+
+A sequence is WAITING (in its pool's queue), RUNNING (holds KV blocks on its worker) or FINISHED. Its
+tokens are `prompt_ids + output_ids`; on recompute after a preemption all of them are prefilled again and
+the next sampled token continues `output_ids` (`max_tokens` counts outputs only).
+
+KV bookkeeping: `num_computed` tokens are in the worker's KV cache. While decoding, the last sampled token
+is not yet in KV (the worker feeds it on the next step), so `num_computed == num_tokens - 1`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos.coalesce.v1 import worker_pb2
+
+POOLS = ("interactive", "batch")  # priority order: interactive is admitted first, preempted last
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    tenant: str
+    pool: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: worker_pb2.WorkerSampling = field(default_factory=worker_pb2.WorkerSampling)
+    eos_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    traceparent: str = ""
+    # Set by Scheduler.add from the injected clock; kept across preemptions (it orders the batch buffer).
+    arrival: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks whose KV is computed (published or hit), one per block from 0.
+    hashes: list[int] = field(default_factory=list)
+    # Prefix-cache hit of the first admission, in prompt tokens (reported as usage).
+    cached_prompt_tokens: int = 0
+    first_scheduled_at: float | None = None
+    finish_reason: str | None = None
+    # The prompt (+ recomputed outputs) is in KV and the worker holds a sampled token to feed next.
+    decoding: bool = False
+    # The worker knows this id (sent since the last release): a release must follow before it is forgotten.
+    on_worker: bool = False
+    # Skipped by the prefill ratio rule while at the head of its queue; a second skip stops admissions.
+    skipped: bool = False
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def dwell(self) -> float | None:
+        """Batch-buffer dwell: from arrival to first admission (None while never scheduled)."""
+        return None if self.first_scheduled_at is None else self.first_scheduled_at - self.arrival
+
+    def stop_reason(self, token: int, max_context: int) -> str | None:
+        """Why the sequence ends after `token` was appended, or None to go on."""
+        if token in self.stop_token_ids or (not self.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if len(self.output_ids) >= self.max_tokens or self.num_tokens >= max_context:
+            return "length"
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class SeqEvent:
+    """One sampled token of one sequence after a step; `finish_reason` is set when it ended the sequence."""
+
+    seq: Sequence
+    token: int
+    finish_reason: str | None
