@@ -57,7 +57,7 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Slot indices and masks of one step, computed on the CPU and moved to `device` once."""
     offsets = torch.arange(block_size)
-    new_slots: list[torch.Tensor] = []
+    new_slots: list[int] = []
     prefills: list[Prefill] = []
     dec_rows: list[int] = []
     dec_seqs = []
@@ -72,15 +72,14 @@ def build_metadata(
         if s.num_tokens == 1:
             dec_rows.append(row)
             dec_seqs.append(s)
-            p = s.start
-            new_slots.append(torch.tensor([s.block_table[p // block_size] * block_size + p % block_size]))
+            new_slots.append(s.block_table[s.start // block_size] * block_size + s.start % block_size)
         else:
             nblocks = -(-end // block_size)
             table = torch.tensor(s.block_table[:nblocks])
             slots = (table[:, None] * block_size + offsets).flatten()[:end]
             mask = _mask(torch.arange(s.start, end), end, sliding_window)
             prefills.append(Prefill(row, s.num_tokens, slots.to(device), mask[None, None].to(device)))
-            new_slots.append(slots[s.start :])
+            new_slots += slots[s.start :].tolist()
         row += s.num_tokens
     if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
         raise ValueError(
@@ -91,14 +90,13 @@ def build_metadata(
     if dec_seqs:
         length = max(s.start for s in dec_seqs) + 1
         nblocks = -(-length // block_size)
-        tables = torch.zeros(len(dec_seqs), nblocks, dtype=torch.int64)
-        for i, s in enumerate(dec_seqs):
-            used = s.block_table[: -(-(s.start + 1) // block_size)]
-            tables[i, : len(used)] = torch.tensor(used)
+        # Block tables padded with block 0 (masked out) to the longest one; one tensor call, not one per seq.
+        used = [s.block_table[: -(-(s.start + 1) // block_size)] for s in dec_seqs]
+        tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64)
         slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :length]
         mask = _mask(torch.tensor([s.start for s in dec_seqs]), length, sliding_window)
         decode = DecodeGroup(torch.tensor(dec_rows).to(device), slots.to(device), mask[:, None, None].to(device))
-    return AttentionMetadata(torch.cat(new_slots).to(device), decode, prefills)
+    return AttentionMetadata(torch.tensor(new_slots).to(device), decode, prefills)
 
 
 def attend(
