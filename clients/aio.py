@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -21,6 +21,7 @@ from clients.types import (
     CHANNEL_OPTIONS,
     Chunk,
     CoalesceError,
+    GenerateOptions,
     Metadata,
     Result,
     batch_items,
@@ -32,6 +33,9 @@ from clients.types import (
     with_key,
 )
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+
+if TYPE_CHECKING:  # typing.Unpack is 3.12+; annotations are never evaluated at run time
+    from typing_extensions import Unpack
 
 
 class AsyncGeneration:
@@ -123,7 +127,9 @@ class AsyncCoalesceClient:
     def _metadata(self, request: inference_pb2.GenerateRequest | None = None) -> Metadata:
         return call_metadata(self._token, request.idempotency_key if request is not None else "")
 
-    def generate(self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Any) -> AsyncGeneration:
+    def generate(
+        self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Unpack[GenerateOptions]
+    ) -> AsyncGeneration:
         """Start a generation (options as `build_request`'s); nothing is sent until it is iterated."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
         return AsyncGeneration(self, with_key(request, self.retry.enabled), resume_from=None)

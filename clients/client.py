@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -19,6 +19,7 @@ from clients.types import (
     CHANNEL_OPTIONS,
     Chunk,
     CoalesceError,
+    GenerateOptions,
     Metadata,
     Result,
     batch_items,
@@ -30,6 +31,9 @@ from clients.types import (
     with_key,
 )
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+
+if TYPE_CHECKING:  # typing.Unpack is 3.12+; annotations are never evaluated at run time
+    from typing_extensions import Unpack
 
 T = TypeVar("T")
 ITEM_ENDED = (inference_pb2.ITEM_STATE_SUCCESS, inference_pb2.ITEM_STATE_FAILED)
@@ -129,7 +133,9 @@ class CoalesceClient:
     def _metadata(self, request: inference_pb2.GenerateRequest | None = None) -> Metadata:
         return call_metadata(self._token, request.idempotency_key if request is not None else "")
 
-    def generate(self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Any) -> Generation:
+    def generate(
+        self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Unpack[GenerateOptions]
+    ) -> Generation:
         """Start a generation; options are `build_request`'s (max_tokens, temperature, seed, stop, pool,
         stream, idempotency_key, request_id, dedup, ...). Nothing is sent until the first chunk is read."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)

@@ -11,7 +11,7 @@ import grpc
 
 from clients.cli import CommandError
 from clients.client import CoalesceClient
-from clients.types import Chunk, CoalesceError, Result, Usage, collect
+from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect
 
 
 def usage_json(usage: Usage | None) -> dict[str, int] | None:
@@ -61,7 +61,7 @@ def describe(err: CoalesceError, address: str) -> str:
 
 
 def run(args: argparse.Namespace) -> None:
-    options: dict[str, Any] = {
+    options: GenerateOptions = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "top_p": args.top_p,

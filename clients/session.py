@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
@@ -21,6 +21,7 @@ from clients.retry import Progress
 from clients.types import (
     Chunk,
     CoalesceError,
+    GenerateOptions,
     Metadata,
     Result,
     build_request,
@@ -30,6 +31,9 @@ from clients.types import (
     session_error,
 )
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+
+if TYPE_CHECKING:  # typing.Unpack is 3.12+; annotations are never evaluated at run time
+    from typing_extensions import Unpack
 
 # What a generation's queue carries: chunks, then None (finished) or the error that ended it.
 Item = Chunk | CoalesceError | None
@@ -90,7 +94,7 @@ class _SessionBase(Generic[G]):
     def _open(self, stream_id: str | None, request_id: str | None, offset: int) -> G:
         raise NotImplementedError
 
-    def start(self, prompt: Prompt, *, stream_id: str | None = None, **options: Any) -> G:
+    def start(self, prompt: Prompt, *, stream_id: str | None = None, **options: Unpack[GenerateOptions]) -> G:
         """Start a generation (options as `build_request`'s); its chunks come from the returned iterator."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
         gen = self._open(stream_id, None, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import grpc
 from google.rpc import error_details_pb2
@@ -133,6 +134,25 @@ def collect(chunks: Iterable[Chunk]) -> Result:
         result.usage = chunk.usage or result.usage
     result.text = "".join(texts)
     return result
+
+
+class GenerateOptions(TypedDict, total=False):
+    """`build_request`'s keywords, so `generate(prompt, **options)` is type-checked everywhere."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    logprobs: int
+    pool: str
+    stream: bool
+    idempotency_key: str | None
+    request_id: str | None
+    dedup: str
 
 
 def build_request(

@@ -207,6 +207,18 @@ async def test_closing_a_session_ends_open_generations(grpc_server: Server) -> N
             await anext(hang)
     assert caught.value.code == grpc.StatusCode.CANCELLED
 
+    def run_sync() -> CoalesceError:
+        with CoalesceClient(address) as client:
+            session = client.session()
+            hang = session.start("hang")
+            next(hang)
+            session.close()
+            with pytest.raises(CoalesceError) as caught:
+                next(hang)
+            return caught.value
+
+    assert (await asyncio.to_thread(run_sync)).code == grpc.StatusCode.CANCELLED
+
 
 async def test_unary_calls_and_batches(grpc_server: Server) -> None:
     address, svc = await serve(grpc_server)
