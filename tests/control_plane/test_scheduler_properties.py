@@ -67,7 +67,7 @@ class FakeWorker:
             for p, t in zip(range(start, end), tokens, strict=True):
                 self.kv[state["table"][p // self.bs]][p % self.bs] = t
         out = {}
-        for w, state, start, end, _ in fed:
+        for w, state, _, end, _ in fed:
             seq_truth = truth[w.seq_id]
             for p in range(end):  # attention reads every position up to the last fed one
                 assert self.kv[state["table"][p // self.bs]][p % self.bs] == seq_truth[p], f"bad KV at {p}"
