@@ -203,3 +203,27 @@ def test_builtin_tokenizer_round_trips_utf8() -> None:
     assert ids == list(text.encode("utf-8"))  # one token per byte, id = byte value
     assert tokenizer.decode(ids) == text
     assert tokenizer.encode("<|bos|>hi<|eos|>").ids == [BOS_ID, *b"hi", EOS_ID]
+
+
+def test_from_settings_sizes_the_cache() -> None:
+    from worker.config import WorkerSettings
+    from worker.kv_cache import block_bytes
+
+    runner = ModelRunner.from_settings(WorkerSettings(device="cpu", kv_cache_mb=4, block_size=16))
+    assert (runner.device, runner.dtype, runner.max_context) == (CPU, FP32, 2048)
+    per_block = 2 * 4 * 16 * 2 * 32 * 4  # K and V, 4 layers, 16 tokens, 2 KV heads of 32, float32
+    assert block_bytes(runner.loaded.config, 16, FP32) == per_block
+    assert runner.num_blocks == 4 * 2**20 // per_block == len(runner.cache.layers[0][0])
+
+
+def test_bfloat16_close_to_float32() -> None:
+    """A mixed step (a prefill and a decode over cache rows left at zero) in bfloat16 stays near float32."""
+
+    def run(dtype: torch.dtype) -> torch.Tensor:
+        runner = ModelRunner(load_model("builtin", CPU, dtype), 8, BLOCK_SIZE, CPU, dtype)
+        seqs = [SeqSlice(0, [1, 2], 0, 20), SeqSlice(1, [3], 4, 1)]
+        return runner.forward(PackedBatch(torch.arange(21), torch.tensor([*range(20), 4]), seqs))
+
+    low, high = run(torch.bfloat16), run(FP32)
+    assert low.dtype == torch.float32 and low.shape == (2, 258)
+    torch.testing.assert_close(low, high, atol=0.05, rtol=0)
