@@ -18,21 +18,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from control_plane.batch_buffer import QueueFull, deadline, released, retry_after
 from control_plane.block_manager import BlockManager
 from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
-from control_plane.step_plan import StepPlan, Work
-
-
-class QueueFull(Exception):
-    """The pool's queue is at `max_queue`; retry after `retry_after_s` (RESOURCE_EXHAUSTED + RetryInfo)."""
-
-    def __init__(self, pool: str, retry_after_s: float) -> None:
-        super().__init__(f"{pool} queue is full; retry after {retry_after_s:.2f}s")
-        self.pool = pool
-        self.retry_after_s = retry_after_s
+from control_plane.step_plan import StepPlan, StepState, Work, chunk, pick_victim
 
 
 class TooLarge(ValueError):
@@ -50,16 +42,6 @@ class Stats:
     prefix_queries: int  # tokens
     prefix_hits: int  # tokens
     load: float  # in [0, 1], for routing
-
-
-@dataclass(slots=True)
-class _Step:
-    """Scratch state of one `schedule` call."""
-
-    budget: int
-    lengths: list[int] = field(default_factory=list)  # prefill chunk lengths so far (ratio rule)
-    done: set[int] = field(default_factory=set)  # seqs given their work this step: not preemptible
-    preempted: set[int] = field(default_factory=set)  # not re-admitted in the step that preempted them
 
 
 class Scheduler:
@@ -104,8 +86,7 @@ class Scheduler:
             raise TooLarge(f"{need} KV blocks needed, the {seq.pool} pool may hold {room}")
         pool, queue = self.pools[seq.pool], self.waiting[seq.pool]
         if len(queue) >= pool.max_queue:
-            # Time for the queue ahead to drain, max_batch at a time, at the observed run time.
-            raise QueueFull(seq.pool, max(pool.max_wait_ms / 1000, self._run_s * len(queue) / pool.max_batch))
+            raise QueueFull(seq.pool, retry_after(pool, len(queue), self._run_s))
         seq.arrival = self.clock()
         seq.status = Status.WAITING
         queue.append(seq)
@@ -177,17 +158,10 @@ class Scheduler:
         return min(times) if times else None
 
     def _deadline(self, pool: str) -> float:
-        return self.waiting[pool][0].arrival + self.pools[pool].max_wait_ms / 1000
+        return deadline(self.pools[pool], self.waiting[pool])
 
     def _released(self, pool: str, now: float) -> bool:
-        """Batch buffer: may this pool's queue be admitted now?"""
-        queue = self.waiting[pool]
-        if not queue:
-            return False
-        if self.running[pool]:  # continuous batching: join the running batch at the next step
-            return True
-        # Enough to fill the free slots (all of max_batch, as none run), or the oldest waited long enough.
-        return len(queue) >= self.pools[pool].max_batch or now >= self._deadline(pool)
+        return released(self.pools[pool], self.waiting[pool], len(self.running[pool]), now)
 
     # -- one step
     def schedule(self) -> StepPlan | None:
@@ -197,28 +171,30 @@ class Scheduler:
         now = self.clock()
         plan = StepPlan(self._epoch, release=self._release)
         self._release = []
-        step = _Step(self.settings.max_step_tokens)
+        step = StepState(self.settings.max_step_tokens)
         order = [s for p in POOLS for s in self.running[p]]  # priority: interactive then batch, oldest first
         for seq in order:
             if seq.decoding and seq.status is Status.RUNNING:
                 self._decode(seq, plan, step, order)
         for seq in order:
             if not seq.decoding and seq.status is Status.RUNNING:
-                self._prefill(seq, plan, step, self._chunk(seq.num_tokens - seq.num_computed, step))
+                self._prefill(
+                    seq, plan, step, chunk(seq.num_tokens - seq.num_computed, step, self.settings.prefill_ratio)
+                )
         self._admit(plan, step, now)
         if not plan.works and not plan.release:
             return None
         self._inflight = plan
         return plan
 
-    def _decode(self, seq: Sequence, plan: StepPlan, step: _Step, order: list[Sequence]) -> None:
+    def _decode(self, seq: Sequence, plan: StepPlan, step: StepState, order: list[Sequence]) -> None:
         if step.budget < 1:
             return  # more running sequences than step tokens: the rest wait a step
         step.done.add(seq.seq_id)
         new: list[int] = []
         if self.bm.slots_needed(seq, 1):
             while not self._fits(seq.pool, 1, 1):
-                victim = self._victim(seq, order, step, quota=self.bm.used_by(seq.pool) + 1 > self.quota[seq.pool])
+                victim = pick_victim(seq, order, step.done, quota=self.bm.used_by(seq.pool) + 1 > self.quota[seq.pool])
                 self._preempt(victim or seq, plan, step)
                 if victim is None:
                     return
@@ -227,20 +203,7 @@ class Scheduler:
         step.budget -= 1
         self._hash(seq, plan, 1)
 
-    def _victim(self, seq: Sequence, order: list[Sequence], step: _Step, quota: bool) -> Sequence | None:
-        """Newest running sequence of the lowest priority pool not yet given work this step, never one of a
-        higher priority pool than `seq`'s; for a quota shortage only `seq`'s pool helps."""
-        rank = POOLS.index(seq.pool)
-        for s in reversed(order):
-            if POOLS.index(s.pool) < rank:
-                return None
-            if s is seq or s.status is not Status.RUNNING or s.seq_id in step.done:
-                continue
-            if not quota or s.pool == seq.pool:
-                return s
-        return None
-
-    def _preempt(self, seq: Sequence, plan: StepPlan, step: _Step) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan, step: StepState) -> None:
         """Free `seq`'s blocks and requeue it at the front of its queue for a full recompute."""
         self.running[seq.pool].remove(seq)
         self._reset(seq)
@@ -261,16 +224,7 @@ class Scheduler:
     def _fits(self, pool: str, charge: int, supply: int) -> bool:
         return self.bm.used_by(pool) + charge <= self.quota[pool] and supply <= self.bm.num_available
 
-    def _chunk(self, remaining: int, step: _Step) -> int:
-        """Tokens of a prefill that fit the step: budget, then the longest/shortest ratio (0: skip)."""
-        n = min(remaining, step.budget)
-        if n <= 0 or not step.lengths:
-            return max(n, 0)
-        ratio = self.settings.prefill_ratio
-        n = min(n, int(ratio * min(step.lengths)))  # a long prompt just takes a smaller chunk
-        return n if n * ratio >= max(step.lengths) else 0  # a short one would break the ratio: skip
-
-    def _prefill(self, seq: Sequence, plan: StepPlan, step: _Step, n: int, new: list[int] | None = None) -> None:
+    def _prefill(self, seq: Sequence, plan: StepPlan, step: StepState, n: int, new: list[int] | None = None) -> None:
         step.done.add(seq.seq_id)
         if n <= 0:
             return
@@ -292,7 +246,7 @@ class Scheduler:
             for i, h in enumerate(self.bm.hash_blocks(tokens, seq.tenant, start, parent), start):
                 plan.publish.append((seq, i, h))
 
-    def _admit(self, plan: StepPlan, step: _Step, now: float) -> None:
+    def _admit(self, plan: StepPlan, step: StepState, now: float) -> None:
         """Admit waiting sequences, interactive first, FIFO per pool, within budget, max_batch and quota."""
         for p in POOLS:
             if not self._released(p, now):
@@ -306,7 +260,7 @@ class Scheduler:
                     break  # it just lost its room; FIFO keeps the rest behind it
                 tokens = seq.tokens()
                 hit = self.bm.match(tokens, seq.tenant)
-                n = self._chunk(len(tokens) - hit.tokens, step)
+                n = chunk(len(tokens) - hit.tokens, step, self.settings.prefill_ratio)
                 if n == 0:
                     if seq.skipped:
                         return  # skipped twice: admit nothing more so it leads the next step's prefills

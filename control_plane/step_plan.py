@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control_plane.sequence import Sequence
+from control_plane.sequence import POOLS, Sequence, Status
 from protos.coalesce.v1 import worker_pb2
 
 
@@ -59,3 +59,37 @@ class StepPlan:
             if w.first:
                 sw.sampling.CopyFrom(w.seq.sampling)
         return req
+
+
+@dataclass(slots=True)
+class StepState:
+    """Scratch state of one `schedule` call."""
+
+    budget: int
+    lengths: list[int] = field(default_factory=list)  # prefill chunk lengths so far (ratio rule)
+    done: set[int] = field(default_factory=set)  # seqs given their work this step: not preemptible
+    preempted: set[int] = field(default_factory=set)  # not re-admitted in the step that preempted them
+
+
+def chunk(remaining: int, step: StepState, ratio: float) -> int:
+    """Tokens of a prefill that fit the step: budget, then the longest/shortest ratio (0: skip)."""
+    n = min(remaining, step.budget)
+    if n <= 0 or not step.lengths:
+        return max(n, 0)
+    n = min(n, int(ratio * min(step.lengths)))  # a long prompt just takes a smaller chunk
+    return n if n * ratio >= max(step.lengths) else 0  # a short one would break the ratio: skip
+
+
+def pick_victim(seq: Sequence, order: list[Sequence], done: set[int], quota: bool) -> Sequence | None:
+    """Preemption victim for `seq`: the newest running sequence of the lowest priority pool that has no work
+    this step yet, never one of a higher priority pool than `seq`'s; for a quota shortage only `seq`'s pool
+    helps. None: `seq` itself must go. `order` is by priority (interactive then batch, oldest first)."""
+    rank = POOLS.index(seq.pool)
+    for s in reversed(order):
+        if POOLS.index(s.pool) < rank:
+            return None
+        if s is seq or s.status is not Status.RUNNING or s.seq_id in done:
+            continue
+        if not quota or s.pool == seq.pool:
+            return s
+    return None
