@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dedup_service import LogAppend, LogEntry, Outcome, State, Store
+from dedup_service.memory import MemoryStore
+from dedup_service.store import RUNNING_GC_S
 
 T, KEEP = "tenant-a", 30.0
 
@@ -134,3 +136,17 @@ async def test_claim_after_release_starts_a_fresh_log(store: Store) -> None:
 def test_log_entry_packs_losslessly(token_id: int, text: str, logprob: bytes) -> None:
     entry = LogEntry(token_id, text, logprob)
     assert LogEntry.unpack(entry.pack()) == entry
+
+
+async def test_memory_sweep_drops_what_redis_would_expire(clock: Clock) -> None:
+    store = MemoryStore(clock)
+    await store.claim(T, "k", "cp-a", "fp", "r1", 10)
+    await store.succeed(T, "k", "cp-a", 1, b"ok", 60)
+    await store.finish("r1", "cp-a", 1, b"", KEEP)
+    await store.claim_content(T, "fp", "r2", "cp-a", 10)
+    await store.start_request(T, "r3", "cp-a")  # abandoned while running
+    store.sweep()
+    assert await store.get(T, "k") is not None  # nothing is dropped early
+    clock.advance(RUNNING_GC_S + 1)
+    store.sweep()
+    assert not (store._records or store._reqs or store._logs or store._content)

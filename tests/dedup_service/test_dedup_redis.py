@@ -79,8 +79,8 @@ async def test_key_layout_and_gc_ttls(redis_server, clock: Clock) -> None:
         await store.append_many([LogAppend("r1", "cp", 1, 0, [LogEntry(1)])])
     finally:
         await store.close()
-    sync = redis.Redis.from_url(redis_server.url)
-    keys = sorted(k.decode() for k in sync.keys("*"))
+    sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    keys = sorted(str(k) for k in sync.keys("*"))
     assert keys == [
         "coalesce:batch:a:job",
         "coalesce:content:a:fp4",

@@ -95,7 +95,9 @@ async def test_list_batch(store: Store, stub: dedup_pb2_grpc.DedupServiceStub) -
     for seq in ("2", "1", "3"):
         await store.claim_item(T, "job", seq, "cp-a", f"fp{seq}", f"r{seq}", 10)
     usage = inference_pb2.Usage(prompt_tokens=3, completion_tokens=2)
-    result = inference_pb2.GenerateResponse(token_ids=[5, 6], text="hi", finish_reason=2, usage=usage)
+    result = inference_pb2.GenerateResponse(
+        token_ids=[5, 6], text="hi", finish_reason=inference_pb2.FINISH_REASON_STOP, usage=usage
+    )
     await store.succeed(T, "batch/job/1", "cp-a", 1, result.SerializeToString(), 3600)
     await store.fail(T, "batch/job/3", "cp-a", 1, "bad prompt", 3600, retryable=False)
 
