@@ -3,8 +3,9 @@
 Each step first writes its new K/V into cache slots (slot = block_table[pos // bs] * bs + pos % bs), then each
 sequence's new queries attend causally over its whole cached context, read through its block table.
 Single-token sequences (decodes) are attended in one batched gather + masked SDPA call; longer ones (prefill
-chunks) one sequence at a time. All index tensors are built once per step (`build_metadata`) and reused by
-every layer.
+chunks) one sequence at a time. Reads gather whole blocks (contiguous rows, far cheaper than gathering slot
+by slot) and mask what lies past each sequence. Index tensors are built once per step (`build_metadata`) and
+reused by every layer.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from worker.batch import PackedBatch
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """All single-token sequences of a step, padded to the longest context L."""
+    """All single-token sequences of a step, padded to the longest block table B."""
 
     rows: torch.Tensor  # [D] their rows in the packed batch
-    slots: torch.Tensor  # [D, L] cache slot of each context position (padding points at any valid slot)
-    mask: torch.Tensor  # [D, 1, 1, L] True where the query may attend
+    blocks: torch.Tensor  # [D * B] their block tables, flattened (padding: block 0, masked out)
+    mask: torch.Tensor  # [D, 1, 1, B * block_size] True where the query may attend
 
 
 @dataclass(slots=True)
@@ -32,8 +33,8 @@ class Prefill:
 
     first_row: int
     num_tokens: int
-    slots: torch.Tensor  # [L] cache slots of positions 0..L-1, L = start + num_tokens
-    mask: torch.Tensor  # [1, 1, num_tokens, L]
+    blocks: torch.Tensor  # [B] the blocks holding positions 0..start + num_tokens - 1
+    mask: torch.Tensor  # [1, 1, num_tokens, B * block_size]
 
 
 @dataclass(slots=True)
@@ -74,12 +75,11 @@ def build_metadata(
             dec_seqs.append(s)
             new_slots.append(s.block_table[s.start // block_size] * block_size + s.start % block_size)
         else:
-            nblocks = -(-end // block_size)
-            table = torch.tensor(s.block_table[:nblocks])
-            slots = (table[:, None] * block_size + offsets).flatten()[:end]
-            mask = _mask(torch.arange(s.start, end), end, sliding_window)
-            prefills.append(Prefill(row, s.num_tokens, slots.to(device), mask[None, None].to(device)))
-            new_slots += slots[s.start :].tolist()
+            table = torch.tensor(s.block_table[: -(-end // block_size)])
+            slots = (table[:, None] * block_size + offsets).flatten()
+            mask = _mask(torch.arange(s.start, end), len(slots), sliding_window)
+            prefills.append(Prefill(row, s.num_tokens, table.to(device), mask[None, None].to(device)))
+            new_slots += slots[s.start : end].tolist()
         row += s.num_tokens
     if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
         raise ValueError(
@@ -88,14 +88,12 @@ def build_metadata(
 
     decode = None
     if dec_seqs:
-        length = max(s.start for s in dec_seqs) + 1
-        nblocks = -(-length // block_size)
-        # Block tables padded with block 0 (masked out) to the longest one; one tensor call, not one per seq.
-        used = [s.block_table[: -(-(s.start + 1) // block_size)] for s in dec_seqs]
+        used = [s.block_table[: s.start // block_size + 1] for s in dec_seqs]
+        nblocks = max(len(u) for u in used)
         tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64)
-        slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :length]
-        mask = _mask(torch.tensor([s.start for s in dec_seqs]), length, sliding_window)
-        decode = DecodeGroup(torch.tensor(dec_rows).to(device), slots.to(device), mask[:, None, None].to(device))
+        mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window)
+        rows = torch.tensor(dec_rows).to(device)
+        decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
     return AttentionMetadata(torch.tensor(new_slots).to(device), decode, prefills)
 
 
@@ -121,16 +119,19 @@ def attend(
         # One query per sequence: lay the `group` query heads that share a KV head along the query axis, so
         # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
         qd = (q if not meta.prefills else q[d.rows]).view(-1, kv_heads, group, dim)
-        keys, values = k_flat[d.slots].transpose(1, 2), v_flat[d.slots].transpose(1, 2)
+        num = qd.shape[0]
+        keys = k_cache.index_select(0, d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.index_select(0, d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
         if not meta.prefills:
             return od.reshape(t, heads * dim)
         out[d.rows] = od
     for p in meta.prefills:
-        length = p.slots.numel()
         # Repeat each KV head for its query heads (as transformers' repeat_kv): [1, H, L, dim].
-        keys = k_flat[p.slots][:, :, None].expand(length, kv_heads, group, dim).reshape(length, heads, dim)
-        values = v_flat[p.slots][:, :, None].expand(length, kv_heads, group, dim).reshape(length, heads, dim)
+        length = p.mask.shape[-1]
+        keys = k_cache.index_select(0, p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
+        values = v_cache.index_select(0, p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
+        keys, values = keys.reshape(length, heads, dim), values.reshape(length, heads, dim)
         rows = slice(p.first_row, p.first_row + p.num_tokens)
         qp = q[rows].transpose(0, 1)[None]
         op = F.scaled_dot_product_attention(qp, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], p.mask)
