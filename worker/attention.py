@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.batch import PackedBatch
+from worker.batch import PackedBatch, SeqSlice
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ def build_metadata(
     new_slots: list[int] = []
     prefills: list[Prefill] = []
     dec_rows: list[int] = []
-    dec_seqs = []
+    dec_seqs: list[SeqSlice] = []
     row = 0
     for s in batch.seqs:
         end = s.start + s.num_tokens
@@ -94,7 +94,7 @@ def build_metadata(
         mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window)
         rows = torch.tensor(dec_rows).to(device)
         decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
-    return AttentionMetadata(torch.tensor(new_slots).to(device), decode, prefills)
+    return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefills)
 
 
 def attend(

@@ -132,6 +132,8 @@ def test_last_token_logits(case: Case) -> None:
     assert every.dtype == last.dtype == torch.float32
     # Not bit-equal: the LM head's matmul over 3 rows and over 29 may sum in different orders.
     torch.testing.assert_close(last, every[torch.tensor([4, 5, 28])], atol=1e-5, rtol=0)
+    empty = PackedBatch(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [])
+    assert case.runner.forward(empty).shape == (0, case.loaded.config.vocab_size)
 
 
 def test_bad_batch_shape_is_an_error(case: Case) -> None:
