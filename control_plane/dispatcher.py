@@ -18,9 +18,11 @@ from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
 from control_plane.generation import Generation
+from control_plane.observer import Observer
 from control_plane.routing import choose_worker
 from control_plane.scheduler import QueueFull, TooLarge
 from control_plane.sequence import SeqEvent, Sequence
+from control_plane.step_plan import StepPlan
 from control_plane.validation import Limits
 from control_plane.worker_link import WorkerLink
 from protos.coalesce.v1 import inference_pb2, worker_pb2
@@ -58,10 +60,17 @@ class Active:
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, addresses: list[str], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        addresses: list[str],
+        clock: Callable[[], float] = time.monotonic,
+        observer: Observer | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock
-        self.links = [WorkerLink(a, settings, self._on_events, self._on_lost, clock) for a in addresses]
+        self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
+        self.observer = observer or Observer()
         self.generations: dict[str, Generation] = {}
         self.tokenizer: Tokenizer | None = None
         self.limits: Limits | None = None
@@ -70,8 +79,6 @@ class Dispatcher:
         self._by_request: dict[str, Active] = {}
         self._next_seq = 1
         self._tasks: list[asyncio.Task[None]] = []
-        # Observers of every step (metrics, traces): (link, events, response).
-        self.step_listeners: list[Callable[[WorkerLink, list[SeqEvent], worker_pb2.StepResponse], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, timeout: float = 120.0) -> None:
@@ -120,6 +127,7 @@ class Dispatcher:
         self._active[seq.seq_id] = active
         self._by_request[spec.request_id] = active
         self.generations[spec.request_id] = gen
+        self.observer.on_request(gen, spec, self.clock())
         return gen
 
     def _sequence(self, spec: GenerationSpec, output_ids: list[int]) -> Sequence:
@@ -162,8 +170,9 @@ class Dispatcher:
         active = self._by_request.get(request_id)
         if active is not None:
             active.link.abort(active.seq.seq_id)
-            self._forget(active)
-        gen.finish(inference_pb2.FINISH_REASON_CANCELLED, self.clock())
+            self._end(active, inference_pb2.FINISH_REASON_CANCELLED, self.clock())
+        else:
+            gen.finish(inference_pb2.FINISH_REASON_CANCELLED, self.clock())
         return True
 
     def attach(self, gen: Generation) -> None:
@@ -176,35 +185,45 @@ class Dispatcher:
             gen.detached_at = self.clock()
 
     # -- step results ------------------------------------------------------------------------------------
-    def _on_events(self, link: WorkerLink, events: list[SeqEvent], resp: worker_pb2.StepResponse) -> None:
-        logprobs = {t.seq_id: t.token for t in resp.tokens if t.token.top or t.token.logprob}
+    def _on_step(
+        self, link: WorkerLink, plan: StepPlan, events: list[SeqEvent], resp: worker_pb2.StepResponse, loop_s: float
+    ) -> None:
         now = self.clock()
+        for seq in plan.admitted:
+            active = self._active.get(seq.seq_id)
+            if active is not None and not active.gen.token_ids:
+                active.gen.queue_ms = (seq.dwell or 0.0) * 1000
+                active.gen.cached_tokens = seq.cached_prompt_tokens
+                self.observer.on_admitted(seq, active.gen, now)
+        logprobs = {t.seq_id: t.token for t in resp.tokens if t.token.top or t.token.logprob}
         for event in events:
             active = self._active.get(event.seq.seq_id)
             if active is None:
                 continue
             gen, seq = active.gen, active.seq
-            if not gen.token_ids and seq.dwell is not None and gen.queue_ms == 0:
-                gen.queue_ms = seq.dwell * 1000
-                gen.cached_tokens = seq.cached_prompt_tokens
             gen.append(event.token, active.text.push(event.token), logprobs.get(seq.seq_id))
+            self.observer.on_tokens(gen, 1, now)
             reason = event.finish_reason
             if reason is None and active.text.stopped:
                 link.finish(seq.seq_id, "stop")
                 reason = "stop"
             if reason is not None:
                 gen.add_text(active.text.flush())
-                gen.finish(FINISH[reason], now)
-                self._forget(active)
-        for listener in self.step_listeners:
-            listener(link, events, resp)
+                self._end(active, FINISH[reason], now)
+        self.observer.on_step(link, plan, events, resp, loop_s)
 
-    def _on_lost(self, link: WorkerLink, everything: bool) -> None:
+    def _end(self, active: Active, reason: int, now: float, error: ApiError | None = None) -> None:
+        active.gen.finish(reason, now, error)
+        self._forget(active)
+        self.observer.on_finish(active.gen, now)
+
+    def _on_lost(self, link: WorkerLink, requeued: int, everything: bool) -> None:
         """A worker was lost (its sequences are requeued there for recompute): move them to live workers.
 
         With `everything`, the link's scheduler was replaced (the worker came back with another cache),
         so all its sequences are rebuilt, onto itself if need be.
         """
+        self.observer.on_worker_lost(link, requeued)
         live = [other for other in self.links if other is not link and other.connected.is_set()]
         if everything:
             live.append(link)
@@ -218,7 +237,7 @@ class Dispatcher:
             try:
                 self._enqueue(target, seq, active.spec.pool)
             except ApiError as err:
-                active.gen.finish(inference_pb2.FINISH_REASON_ERROR, self.clock(), err)
+                self._end(active, inference_pb2.FINISH_REASON_ERROR, self.clock(), err)
                 continue
             active.seq, active.link = seq, target
             self._active[seq.seq_id] = active

@@ -213,6 +213,7 @@ class Scheduler:
             seq.on_worker = False
         seq.preemptions += 1
         step.preempted.add(seq.seq_id)
+        plan.preempted.append(seq)
 
     def _reset(self, seq: Sequence) -> None:
         self.bm.free(seq)

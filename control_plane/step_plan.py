@@ -29,7 +29,8 @@ class StepPlan:
     """One step. The worker applies `release` first, then `copies`, then runs `works`.
 
     `publish` lists (seq, block index, hash) of full blocks this step computes; `complete` indexes them.
-    `admitted` lists sequences scheduled for the first time (their dwell is now known).
+    `admitted` lists sequences scheduled for the first time (their dwell is now known); `preempted` those
+    this step preempted for recompute.
     """
 
     epoch: int
@@ -38,6 +39,7 @@ class StepPlan:
     works: list[Work] = field(default_factory=list)
     publish: list[tuple[Sequence, int, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

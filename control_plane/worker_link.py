@@ -19,6 +19,7 @@ import grpc
 from control_plane.config import Settings
 from control_plane.scheduler import Scheduler
 from control_plane.sequence import SeqEvent, Sequence
+from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -35,31 +36,18 @@ class WorkerLost(Exception):
     """The Step stream broke: the worker's sequences must be recomputed."""
 
 
-@dataclass(slots=True)
-class StepStats:
-    """Running totals for the overhead figure: time in the worker's forward vs the whole loop."""
-
-    steps: int = 0
-    forward_s: float = 0.0
-    round_trip_s: float = 0.0
-    loop_s: float = 0.0
-    tokens: int = 0
-    seqs: int = 0
-
-
 @dataclass(eq=False)
 class WorkerLink:
     address: str
     settings: Settings
-    # Called synchronously after each step with the sampled tokens (no awaits on the hot path).
-    on_events: Callable[[WorkerLink, list[SeqEvent], worker_pb2.StepResponse], None]
+    # Called synchronously after each step (no awaits on the hot path): (link, plan, events, response, loop_s).
+    on_step: Callable[[WorkerLink, StepPlan, list[SeqEvent], worker_pb2.StepResponse, float], None]
     # Called when the worker was lost (its sequences are requeued for recompute in this link's scheduler),
-    # with True when the scheduler was replaced and every sequence must be submitted again.
-    on_lost: Callable[[WorkerLink, bool], None]
+    # with the number requeued, and True when the scheduler was replaced so everything must be resubmitted.
+    on_lost: Callable[[WorkerLink, int, bool], None]
     clock: Callable[[], float] = time.monotonic
     info: worker_pb2.InfoResponse | None = None
     scheduler: Scheduler | None = None
-    stats: StepStats = field(default_factory=StepStats)
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
@@ -115,7 +103,7 @@ class WorkerLink:
         self.connected.set()
         log.info("worker %s connected: %s, %d KV blocks", self.address, info.model_name, info.num_blocks)
         if replaced:
-            self.on_lost(self, True)
+            self.on_lost(self, 0, True)
 
     async def _session(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         assert self.scheduler is not None
@@ -134,10 +122,8 @@ class WorkerLink:
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise WorkerLost(f"worker {self.address} ended the step stream")
-                sent = time.perf_counter()
                 events = scheduler.complete(plan, {t.seq_id: t.token.token_id for t in resp.tokens})
-                self.on_events(self, events, resp)
-                self._account(resp, began, sent)
+                self.on_step(self, plan, events, resp, time.perf_counter() - began)
         finally:
             call.cancel()
 
@@ -149,14 +135,6 @@ class WorkerLink:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _account(self, resp: worker_pb2.StepResponse, began: float, sent: float) -> None:
-        s = self.stats
-        s.steps += 1
-        s.forward_s += resp.forward_ms / 1000
-        s.round_trip_s += sent - began
-        s.loop_s += time.perf_counter() - began
-        s.tokens += resp.num_tokens
-
     def _lose(self, exc: Exception) -> None:
         was_connected = self.connected.is_set()
         self.connected.clear()
@@ -166,8 +144,7 @@ class WorkerLink:
         if was_connected:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
-        if self.scheduler.has_work():
-            self.on_lost(self, False)
+        self.on_lost(self, len(requeued), False)
 
 
 def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int]:
