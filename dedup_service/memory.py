@@ -35,21 +35,41 @@ class MemoryStore(MemoryLogs):
     # --- idempotency records ---
 
     async def claim(
-        self, tenant: str, key: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
-        return self._claim(tenant, key, owner, fingerprint, request_id, lease_s)
+        return self._claim(tenant, key, owner, fingerprint, request_id, lease_s, payload)
 
     async def claim_item(
-        self, tenant: str, batch_id: str, seq_id: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        batch_id: str,
+        seq_id: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
-        result = self._claim(tenant, batch_key(batch_id, seq_id), owner, fingerprint, request_id, lease_s)
+        key = batch_key(batch_id, seq_id)
+        result = self._claim(tenant, key, owner, fingerprint, request_id, lease_s, payload)
         if result.outcome != Outcome.REQUEST_ID_IN_USE:
             seqs, _ = self._batches.get((tenant, batch_id), (set(), 0.0))
             seqs.add(seq_id)
             self._batches[(tenant, batch_id)] = (seqs, self.clock() + BATCH_GC_S)
         return result
 
-    def _claim(self, tenant: str, key: str, owner: str, fp: str, request_id: str, lease_s: float) -> ClaimResult:
+    def _claim(
+        self, tenant: str, key: str, owner: str, fp: str, request_id: str, lease_s: float, payload: bytes
+    ) -> ClaimResult:
         self._wrote()
         now = self.clock()
         rec = self._live(tenant, key, now)
@@ -74,7 +94,9 @@ class MemoryStore(MemoryLogs):
         # Epochs keep growing across releases, so a stale writer of an earlier run never matches.
         old = self._records.pop((tenant, key), None)
         last_epoch = old.epoch if old else self._tombstones.pop((tenant, key), (0, 0.0))[0]
-        rec = Record(tenant, key, State.INIT, owner, last_epoch + 1, fp, request_id, now + lease_s)
+        rec = Record(
+            tenant, key, State.INIT, owner, last_epoch + 1, fp, request_id, now + lease_s, payload=bytes(payload)
+        )
         self._records[(tenant, key)] = rec
         self._index(rec, now, reset_log=True)
         return ClaimResult(Outcome.CLAIMED, _copy(rec))

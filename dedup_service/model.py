@@ -58,6 +58,9 @@ class Record:
     expires_at: float = 0.0  # end of retention (SUCCESS/FAILED); 0 while running
     result: bytes = b""  # SUCCESS: the caller's serialized result (a coalesce.v1.GenerateResponse)
     error: str = ""  # FAILED: what went wrong
+    # The request as claimed (the caller's serialized request), set when the claim creates the record and
+    # never changed after: a replica that takes over re-runs the request from it.
+    payload: bytes = b""
 
 
 class ClaimResult(NamedTuple):

@@ -27,7 +27,8 @@ end
 """
 
 # KEYS: record. ARGV: prefix, tenant, key, owner, fingerprint, request_id, lease_ms, now_ms, running_gc_ms,
-# batch set key ('' when not a batch item), seq_id, batch_gc_ms.
+# batch set key ('' when not a batch item), seq_id, batch_gc_ms, payload (request bytes, stored as `pl` only
+# when the record is created; TAKEOVER and the WRITE ops leave it as it is).
 # Returns {outcome, HGETALL of the record} (an empty list for REQUEST_ID_IN_USE).
 CLAIM = (
     HELPERS
@@ -81,7 +82,8 @@ if held[1] and (held[1] ~= tenant or held[2] ~= key) then return {'REQUEST_ID_IN
 -- Epochs keep growing across releases (a tombstone keeps 'ep'), so a stale writer never matches.
 local epoch = (tonumber(h.ep) or 0) + 1
 redis.call('DEL', rk)
-redis.call('HSET', rk, 'st', 'INIT', 'own', owner, 'ep', epoch, 'fp', fp, 'rid', rid, 'lease', now + lease, 'exp', 0)
+redis.call('HSET', rk, 'st', 'INIT', 'own', owner, 'ep', epoch, 'fp', fp, 'rid', rid, 'lease', now + lease, 'exp', 0,
+  'pl', ARGV[13])
 redis.call('PEXPIRE', rk, lease + gc)
 index(rid, epoch, true)
 add_to_batch()

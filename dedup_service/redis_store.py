@@ -2,7 +2,8 @@
 
 Key layout (prefix `coalesce:`; <t> is the tenant percent-quoted, so a ':' in a tenant cannot fake a key):
 
-  coalesce:idem:<t>:<key>      hash    idempotency record: st, own, ep, fp, rid, lease (ms), exp (ms), res, err.
+  coalesce:idem:<t>:<key>      hash    idempotency record: st, own, ep, fp, rid, lease (ms), exp (ms), res, err,
+                                       pl (request payload bytes, set when claimed, never changed after).
                                        A released or purged key keeps only `ep` (a tombstone): epochs keep growing.
   coalesce:batch:<t>:<batch>   zset    seq ids of a batch job (score 0); each item is the idempotency record
                                        of key batch_key(batch, seq)
@@ -77,24 +78,50 @@ class RedisStore(RedisLogs):
 
     @unavailable
     async def claim(
-        self, tenant: str, key: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
-        return await self._claim(tenant, key, owner, fingerprint, request_id, lease_s, "", "")
+        return await self._claim(tenant, key, owner, fingerprint, request_id, lease_s, "", "", payload)
 
     @unavailable
     async def claim_item(
-        self, tenant: str, batch_id: str, seq_id: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        batch_id: str,
+        seq_id: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
         key = batch_key(batch_id, seq_id)
-        return await self._claim(
-            tenant, key, owner, fingerprint, request_id, lease_s, self._bk(tenant, batch_id), seq_id
-        )
+        batch = self._bk(tenant, batch_id)
+        return await self._claim(tenant, key, owner, fingerprint, request_id, lease_s, batch, seq_id, payload)
 
     async def _claim(
-        self, tenant: str, key: str, owner: str, fp: str, rid: str, lease_s: float, batch: str, seq: str
+        self,
+        tenant: str,
+        key: str,
+        owner: str,
+        fp: str,
+        rid: str,
+        lease_s: float,
+        batch: str,
+        seq: str,
+        payload: bytes,
     ) -> ClaimResult:
         args: list[Any] = [self._p, tenant, key, owner, fp, rid, ms(lease_s), self._now(), ms(RUNNING_GC_S), batch, seq]
-        outcome, flat = await self._claim_lua([self._rk(tenant, key)], [*args, ms(BATCH_GC_S)])
+        # bytes go to Redis as they are (binary-safe); str would be UTF-8 encoded.
+        outcome, flat = await self._claim_lua([self._rk(tenant, key)], [*args, ms(BATCH_GC_S), bytes(payload)])
         return ClaimResult(Outcome(outcome.decode()), _record(tenant, key, _pairs(flat)))
 
     async def _write(self, tenant: str, key: str, owner: str, epoch: int, op: str, span_s: float, value: Any) -> bool:
@@ -206,4 +233,5 @@ def _record(tenant: str, key: str, h: dict[bytes, bytes]) -> Record | None:
         expires_at=int(h.get(b"exp", b"0")) / 1000,
         result=h.get(b"res", b""),
         error=h.get(b"err", b"").decode(),
+        payload=h.get(b"pl", b""),
     )

@@ -49,9 +49,20 @@ class Store(Protocol):
     # --- idempotency records, one per (tenant, key) ---
 
     async def claim(
-        self, tenant: str, key: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        key: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
-        """Claim the key or report what holds it (see `Outcome`). CLAIMED/TAKEOVER records are ours."""
+        """Claim the key or report what holds it (see `Outcome`). CLAIMED/TAKEOVER records are ours.
+
+        `payload` (the serialized request, arbitrary bytes) is stored only when the claim creates the record
+        (CLAIMED); every later outcome returns the record's original payload, so a TAKEOVER can re-run it."""
         ...
 
     async def renew(self, tenant: str, key: str, owner: str, epoch: int, lease_s: float) -> bool:
@@ -83,7 +94,16 @@ class Store(Protocol):
     # --- batch items: records keyed batch_key(batch_id, seq_id), listed per batch ---
 
     async def claim_item(
-        self, tenant: str, batch_id: str, seq_id: str, owner: str, fingerprint: str, request_id: str, lease_s: float
+        self,
+        tenant: str,
+        batch_id: str,
+        seq_id: str,
+        owner: str,
+        fingerprint: str,
+        request_id: str,
+        lease_s: float,
+        *,
+        payload: bytes = b"",
     ) -> ClaimResult:
         """`claim` of batch_key(batch_id, seq_id), also adding seq_id to the batch's item set."""
         ...

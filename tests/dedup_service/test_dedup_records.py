@@ -196,3 +196,69 @@ async def test_concurrent_claims_elect_one_owner(store: Store, peer: Store) -> N
     assert outcomes.count(Outcome.ATTACH) == 31
     owners = {r.record.owner for r in results if r.record is not None}
     assert len(owners) == 1
+
+
+# Serialized protobufs: arbitrary bytes, including NUL and sequences that are not UTF-8.
+PAYLOAD = b"\x0a\x05hello\x00\x12\x03\xff\xfe\xc3\x28\x80" + bytes(range(256))
+
+
+async def test_payload_round_trip(store: Store) -> None:
+    claimed = await store.claim(T, K, "cp-a", FP, "req-1", LEASE, payload=PAYLOAD)
+    assert claimed.outcome == Outcome.CLAIMED
+    assert claimed.record is not None and claimed.record.payload == PAYLOAD
+    got = await store.get(T, K)
+    assert got is not None and got.payload == PAYLOAD
+    # A claim without a payload stores none; other keys' payloads are their own.
+    plain = await claim(store, key="key-2", rid="req-2")
+    assert plain.record is not None and plain.record.payload == b""
+    got2 = await store.get(T, "key-2")
+    assert got2 is not None and got2.payload == b""
+
+
+async def test_payload_kept_across_takeover_and_finish(store: Store, peer: Store, clock: Clock) -> None:
+    await store.claim(T, K, "cp-a", FP, "req-1", LEASE, payload=PAYLOAD)
+    assert await store.renew(T, K, "cp-a", 1, LEASE)
+    assert await store.mark_processing(T, K, "cp-a", 1)
+    # Attaching with another payload does not change the stored one.
+    attach = await peer.claim(T, K, "cp-b", FP, "req-2", LEASE, payload=b"other")
+    assert attach.outcome == Outcome.ATTACH and attach.record is not None and attach.record.payload == PAYLOAD
+
+    # The owner dies; another replica takes over and gets the original request to re-run.
+    clock.advance(LEASE + 0.001)
+    took = await peer.claim(T, K, "cp-b", FP, "req-3", LEASE, payload=b"")
+    assert took.outcome == Outcome.TAKEOVER
+    assert took.record is not None and took.record.payload == PAYLOAD
+    after_takeover = await store.get(T, K)
+    assert after_takeover is not None and after_takeover.payload == PAYLOAD
+
+    assert await peer.renew(T, K, "cp-b", 2, LEASE)
+    assert await peer.mark_processing(T, K, "cp-b", 2)
+    assert await peer.succeed(T, K, "cp-b", 2, b"done", RETAIN)
+    done = await store.get(T, K)
+    assert done is not None and done.state == State.SUCCESS
+    assert (done.result, done.payload) == (b"done", PAYLOAD)
+    replay = await store.claim(T, K, "cp-c", FP, "req-4", LEASE, payload=b"x")
+    assert replay.outcome == Outcome.REPLAY and replay.record is not None and replay.record.payload == PAYLOAD
+
+
+async def test_payload_kept_after_failure_and_replaced_after_release(store: Store) -> None:
+    await store.claim(T, K, "cp-a", FP, "req-1", LEASE, payload=PAYLOAD)
+    assert await store.fail(T, K, "cp-a", 1, "worker lost", RETAIN, retryable=True)
+    # Released: the retry's claim creates a new record with its own payload.
+    retry = await store.claim(T, K, "cp-a", FP, "req-1", LEASE, payload=b"\x00retry")
+    assert retry.outcome == Outcome.CLAIMED and retry.record is not None
+    assert (retry.record.epoch, retry.record.payload) == (2, b"\x00retry")
+    assert await store.fail(T, K, "cp-a", 2, "prompt too long", RETAIN, retryable=False)
+    failed = await store.get(T, K)
+    assert failed is not None and (failed.state, failed.payload) == (State.FAILED, b"\x00retry")
+
+
+async def test_batch_item_payload(store: Store, clock: Clock) -> None:
+    claimed = await store.claim_item(T, "job", "1", "cp-a", FP, "b-1", LEASE, payload=PAYLOAD)
+    assert claimed.outcome == Outcome.CLAIMED and claimed.record is not None and claimed.record.payload == PAYLOAD
+    clock.advance(LEASE + 0.001)
+    took = await store.claim_item(T, "job", "1", "cp-b", FP, "b-1x", LEASE, payload=b"")
+    assert took.outcome == Outcome.TAKEOVER and took.record is not None and took.record.payload == PAYLOAD
+    items = await store.list_batch(T, "job")
+    assert [i.seq_id for i in items] == ["1"]
+    assert items[0].record is not None and items[0].record.payload == PAYLOAD
