@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     port: int = Field(default=50051, ge=0, le=65535)
     # Prometheus /metrics port; 0 means off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Log lines: "text" (human-readable) or "json" (one object per line, with request events and trace ids).
+    log_format: Literal["text", "json"] = "text"
     # Workers `coalesce serve` spawns as child processes.
     workers: int = Field(default=1, ge=0, le=64)
     # Addresses (host:port) of workers started elsewhere; used by `coalesce control-plane`.

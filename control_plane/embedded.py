@@ -16,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 from control_plane.config import Settings
 from control_plane.dispatcher import Dispatcher
 from control_plane.server import InferenceService
+from control_plane.telemetry.logs import configure_logging
+from control_plane.telemetry.setup import Telemetry
 from control_plane.worker_procs import WorkerProcess, spawn_workers
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 
@@ -34,13 +36,16 @@ async def serve_control_plane(
 ) -> None:
     """Run the public API until `stop` is set; then drain: NOT_SERVING, finish in-flight calls, stop."""
     stop = stop or asyncio.Event()
-    dispatcher = Dispatcher(settings, addresses)
+    telemetry = Telemetry.start(settings)
+    dispatcher = Dispatcher(settings, addresses, observer=telemetry.observer)
     await dispatcher.start()
+    telemetry.bind(dispatcher)
     server = grpc.aio.server(
+        interceptors=telemetry.interceptors,
         options=[
             ("grpc.max_receive_message_length", settings.max_request_bytes),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ]
+        ],
     )
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(dispatcher, settings), server)
     health_servicer = health.aio.HealthServicer()
@@ -61,6 +66,7 @@ async def serve_control_plane(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=DRAIN_S)
         await dispatcher.stop()
+        telemetry.stop()  # flushes buffered spans
 
 
 def _install_signals(stop: asyncio.Event) -> None:
@@ -78,7 +84,7 @@ async def _supervise(workers: list[WorkerProcess]) -> None:
 
 def run_serve(settings: Settings, demo: bool = False) -> None:
     """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format)
     workers = spawn_workers(settings.worker, settings.workers)
 
     async def main() -> None:
@@ -114,7 +120,7 @@ def run_serve(settings: Settings, demo: bool = False) -> None:
 
 def run_control_plane(settings: Settings) -> None:
     """`coalesce control-plane --worker HOST:PORT ...`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_format)
 
     async def main() -> None:
         stop = asyncio.Event()

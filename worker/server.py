@@ -20,6 +20,7 @@ from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 from worker.config import WorkerSettings
 from worker.engine import Engine, StepError
 from worker.runner import ModelRunner
+from worker.telemetry import StepSpans
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,15 @@ GRACE_S = 5.0
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     """One scheduler session at a time over an Engine (None until the model has loaded)."""
 
-    def __init__(self, engine: Engine | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        spans: StepSpans | None = None,
+    ) -> None:
         self.engine = engine
         self.clock = clock
+        self.spans = spans  # None: tracing off, no per-step cost
         self._session_active = False
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> Engine:
@@ -61,7 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
             # The engine's lock makes this wait for a step still running from a cancelled session.
             await asyncio.to_thread(engine.reset)
             async for req in request_iterator:
-                received = self.clock()
+                received, started_ns = self.clock(), time.time_ns()
                 try:
                     resp = await asyncio.to_thread(engine.step, req)
                 except StepError as e:
@@ -70,6 +77,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                     log.exception("step %d failed", req.step_id)
                     await context.abort(grpc.StatusCode.INTERNAL, f"step {req.step_id} failed: {e!r}")
                 resp.step_ms = (self.clock() - received) * 1000
+                if self.spans is not None:
+                    self.spans.record(req, resp, started_ns)
                 yield resp
         finally:
             self._session_active = False
@@ -100,7 +109,7 @@ async def serve_worker(
     Binds first (health NOT_SERVING, Info/Step UNAVAILABLE), then loads the model unless `runner` is given,
     then reports SERVING and calls `on_ready(bound_port)`.
     """
-    service = WorkerService()
+    service = WorkerService(spans=StepSpans.from_env())
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)
@@ -123,6 +132,8 @@ async def serve_worker(
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(GRACE_S)
+        if service.spans is not None:
+            service.spans.shutdown()  # flush the last steps' spans
 
 
 def run_worker(settings: WorkerSettings) -> None:
