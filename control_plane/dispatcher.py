@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
-from control_plane.generation import Generation
+from control_plane.generation import Generation, View
 from control_plane.observer import Observer
 from control_plane.routing import choose_worker
 from control_plane.scheduler import QueueFull, TooLarge
@@ -29,6 +29,7 @@ from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
+MISS = inference_pb2.DEDUP_OUTCOME_MISS
 FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH}
 
 
@@ -71,7 +72,8 @@ class Dispatcher:
         self.clock = clock
         self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
         self.observer = observer or Observer()
-        self.generations: dict[str, Generation] = {}
+        # Every request's view, by request id: what Resume and Cancel find (kept for the resume window).
+        self.views: dict[str, View] = {}
         self.tokenizer: Tokenizer | None = None
         self.limits: Limits | None = None
         self.eos_ids: frozenset[int] = frozenset()
@@ -115,20 +117,39 @@ class Dispatcher:
         return next(link.info for link in self.links if link.info is not None)
 
     # -- requests ----------------------------------------------------------------------------------------
-    def submit(self, spec: GenerationSpec, gen: Generation | None = None) -> Generation:
-        """Schedule a generation (or continue `gen`: its logged tokens are re-prefilled, then it goes on)."""
+    def submit(self, spec: GenerationSpec, gen: Generation | None = None, outcome: int = MISS) -> View:
+        """Compute a generation; its first view has the spec's request id.
+
+        With `gen`, continue it: its logged tokens are re-prefilled (a takeover), then it goes on.
+        """
         assert self.tokenizer is not None, "submit before start()"
         if gen is None:
             gen = Generation(spec.request_id, spec.tenant, prompt_tokens=len(spec.prompt_ids))
         seq = self._sequence(spec, list(gen.token_ids))
         link = self._route(seq)
         self._enqueue(link, seq, spec.pool)
-        active = Active(spec, seq, gen, IncrementalText(self.tokenizer, spec.stop), link)
+        text = IncrementalText(self.tokenizer, spec.stop)
+        for token in gen.token_ids:  # a continued generation: its text so far is already logged
+            text.push(token)
+        active = Active(spec, seq, gen, text, link)
         self._active[seq.seq_id] = active
-        self._by_request[spec.request_id] = active
-        self.generations[spec.request_id] = gen
+        self._by_request[gen.request_id] = active
         self.observer.on_request(gen, spec, self.clock())
-        return gen
+        return self.add_view(View(spec.request_id, gen, outcome))
+
+    def add_view(self, view: View) -> View:
+        """Register a request's view (a new one, a duplicate's, or one mirrored from another replica)."""
+        self.views[view.request_id] = view
+        return view
+
+    def join(self, leader: View, request_id: str, outcome: int) -> View:
+        """A duplicate reads the leader's computation from offset 0 under its own request id."""
+        leader.gen.interest += 1
+        return self.add_view(View(request_id, leader.gen, outcome))
+
+    def running(self, request_id: str) -> View | None:
+        view = self.views.get(request_id)
+        return view if view is not None and not view.done else None
 
     def _sequence(self, spec: GenerationSpec, output_ids: list[int]) -> Sequence:
         seq = Sequence(
@@ -157,23 +178,34 @@ class Dispatcher:
         except TooLarge as err:
             raise invalid("sampling.max_tokens", f"the request cannot fit the KV cache: {err}") from None
 
-    def get(self, request_id: str, tenant: str) -> Generation:
-        gen = self.generations.get(request_id)
-        if gen is None or gen.tenant != tenant:  # never reveal another tenant's request
+    def get(self, request_id: str, tenant: str) -> View:
+        view = self.views.get(request_id)
+        if view is None or view.tenant != tenant:  # never reveal another tenant's request
             raise not_found(f"request {request_id!r} is unknown or expired")
-        return gen
+        return view
 
     def cancel(self, request_id: str, tenant: str) -> bool:
-        gen = self.get(request_id, tenant)
-        if gen.done:
+        """End one request; its computation stops when no other request reads it (DESIGN §4.3)."""
+        view = self.get(request_id, tenant)
+        if view.done:
             return False
-        active = self._by_request.get(request_id)
-        if active is not None:
-            active.link.abort(active.seq.seq_id)
-            self._end(active, inference_pb2.FINISH_REASON_CANCELLED, self.clock())
-        else:
-            gen.finish(inference_pb2.FINISH_REASON_CANCELLED, self.clock())
+        view.cancelled = True
+        gen = view.gen
+        gen.interest -= 1
+        gen.wake()
+        if gen.interest <= 0:
+            self.abort(gen, inference_pb2.FINISH_REASON_CANCELLED)
         return True
+
+    def abort(self, gen: Generation, reason: int, error: ApiError | None = None) -> None:
+        """Stop computing `gen` for everyone."""
+        active = self._by_request.get(gen.request_id)
+        if active is not None and active.gen is gen:
+            active.link.abort(active.seq.seq_id)
+            self._end(active, reason, self.clock(), error)
+        else:
+            gen.finish(reason, self.clock(), error)
+            self.observer.on_finish(gen, self.clock())
 
     def attach(self, gen: Generation) -> None:
         gen.subscribers += 1
@@ -263,14 +295,16 @@ class Dispatcher:
 
     # -- housekeeping ------------------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
-        """Cancel generations nobody has read for the grace period; forget finished ones after it."""
+        """Abort computations nobody has read for the grace period; forget views of ones ended since."""
         grace = self.settings.resume_grace_s
-        for request_id, gen in list(self.generations.items()):
-            if not gen.done and gen.detached_at is not None and now - gen.detached_at >= grace:
-                log.info("request %s abandoned for %.0f s: cancelled", request_id, grace)
-                self.cancel(request_id, gen.tenant)
+        for gen in {id(v.gen): v.gen for v in self.views.values()}.values():
+            if not gen.done and gen.detached_at is not None and now - gen.detached_at >= grace and not gen.detached_ok:
+                log.info("request %s abandoned for %.0f s: cancelled", gen.request_id, grace)
+                self.abort(gen, inference_pb2.FINISH_REASON_CANCELLED)
+        for request_id, view in list(self.views.items()):
+            gen = view.gen
             if gen.done and gen.finished_at is not None and now - gen.finished_at >= grace and gen.subscribers == 0:
-                del self.generations[request_id]
+                del self.views[request_id]
 
     async def _sweeper(self) -> None:
         while True:

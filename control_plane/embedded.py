@@ -14,11 +14,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from control_plane.config import Settings
+from control_plane.dedup import Deduper
 from control_plane.dispatcher import Dispatcher
+from control_plane.observer import Fanout
 from control_plane.server import InferenceService
 from control_plane.telemetry.logs import configure_logging
 from control_plane.telemetry.setup import Telemetry
 from control_plane.worker_procs import WorkerProcess, spawn_workers
+from dedup_service import make_store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ async def serve_control_plane(
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ],
     )
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(dispatcher, settings), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(dispatcher, deduper, settings), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -66,6 +69,8 @@ async def serve_control_plane(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=DRAIN_S)
         await dispatcher.stop()
+        await deduper.stop()
+        await store.close()
         telemetry.stop()  # flushes buffered spans
 
 

@@ -58,8 +58,12 @@ def _pack(message: Message) -> any_pb2.Any:
 
 def invalid(field_path: str, description: str) -> ApiError:
     """INVALID_ARGUMENT for one field; the message names the field."""
-    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{field_path}: {description}", "INVALID_ARGUMENT",
-                    [(field_path, description)])  # fmt: skip
+    return ApiError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{field_path}: {description}",
+        "INVALID_ARGUMENT",
+        [(field_path, description)],
+    )
 
 
 def invalid_fields(violations: list[tuple[str, str]]) -> ApiError:

@@ -32,9 +32,13 @@ class Generation:
     logprobs: list[common_pb2.TokenLogprob | None] = field(default_factory=list)
     finish_reason: int = inference_pb2.FINISH_REASON_UNSPECIFIED
     error: ApiError | None = None
+    # Requests reading this computation that have not cancelled; at 0 the computation is aborted.
+    interest: int = 1
     # Readers currently attached; when it drops to 0 the resume grace period starts (DESIGN §4.9).
     subscribers: int = 0
     detached_at: float | None = None
+    # Batch items run with nobody reading: never abandoned.
+    detached_ok: bool = False
     finished_at: float | None = None
     _wake: asyncio.Future[None] | None = None
 
@@ -62,17 +66,17 @@ class Generation:
         self.finished_at = now
         self._notify()
 
-    def usage(self) -> inference_pb2.Usage:
+    def usage(self, completion_tokens: int | None = None) -> inference_pb2.Usage:
         return inference_pb2.Usage(
             prompt_tokens=self.prompt_tokens,
-            completion_tokens=len(self.token_ids),
+            completion_tokens=len(self.token_ids) if completion_tokens is None else completion_tokens,
             cached_prompt_tokens=self.cached_tokens,
         )
 
-    def chunk(self, start: int, end: int) -> inference_pb2.GenerateResponse:
+    def chunk(self, start: int, end: int, view: View | None = None) -> inference_pb2.GenerateResponse:
         """Tokens [start, end) as one response; the last chunk carries finish and usage, the first the outcome."""
         msg = inference_pb2.GenerateResponse(
-            request_id=self.request_id,
+            request_id=view.request_id if view else self.request_id,
             offset=start,
             token_ids=self.token_ids[start:end],
             text="".join(self.texts[start:end]),
@@ -80,30 +84,43 @@ class Generation:
         if any(lp is not None for lp in self.logprobs[start:end]):
             msg.logprobs.extend(lp or common_pb2.TokenLogprob() for lp in self.logprobs[start:end])
         if start == 0:
-            msg.dedup_outcome = self.dedup_outcome  # type: ignore[assignment]
+            msg.dedup_outcome = view.dedup_outcome if view else self.dedup_outcome  # type: ignore[assignment]
             msg.queue_ms = self.queue_ms
-        if self.done and end == len(self.token_ids):
+        if view is not None and view.cancelled:
+            msg.finish_reason = inference_pb2.FINISH_REASON_CANCELLED
+            msg.usage.CopyFrom(self.usage(end))
+        elif self.done and end == len(self.token_ids):
             msg.finish_reason = self.finish_reason  # type: ignore[assignment]
             msg.usage.CopyFrom(self.usage())
         return msg
 
-    async def follow(self, offset: int, stream: bool = True) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """Everything from `offset` on, live. With stream=False, one message at the end."""
+    async def follow(
+        self, offset: int, stream: bool = True, view: View | None = None
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Everything from `offset` on, live. With stream=False, one message at the end. A view's own cancel
+        ends its readers (at the tokens they have) while the computation may go on for other views."""
         pos = offset
         while True:
             end = len(self.token_ids)
+            if view is not None and view.cancelled:
+                yield self.chunk(pos, pos if stream else end, view)
+                return
             if self.done:
                 if self.error is not None:
                     if stream and pos < end:
-                        yield self.chunk(pos, end)
+                        yield self.chunk(pos, end, view)
                     raise self.error
-                yield self.chunk(pos, end)  # the last chunk (maybe without tokens) carries finish and usage
+                yield self.chunk(pos, end, view)  # the last chunk (maybe without tokens) carries finish and usage
                 return
             if stream and pos < end:
-                yield self.chunk(pos, end)
+                yield self.chunk(pos, end, view)
                 pos = end
             else:
                 await self._wait()
+
+    def wake(self) -> None:
+        """Wake every reader (a view was cancelled)."""
+        self._notify()
 
     def _notify(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -115,3 +132,28 @@ class Generation:
             self._wake = asyncio.get_running_loop().create_future()
         # shield: a reader that is cancelled must not cancel the future the other readers wait on.
         await asyncio.shield(self._wake)
+
+
+@dataclass(slots=True, eq=False)
+class View:
+    """One request's handle on a generation: its own request id and dedup outcome, and its own cancel.
+
+    Identical requests share one Generation through several views (DESIGN §4.3); cancelling a view ends
+    that request only, and the computation stops when no view is interested any more.
+    """
+
+    request_id: str
+    gen: Generation
+    dedup_outcome: int = inference_pb2.DEDUP_OUTCOME_MISS
+    cancelled: bool = False
+
+    @property
+    def tenant(self) -> str:
+        return self.gen.tenant
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.gen.done
+
+    def follow(self, offset: int, stream: bool = True) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        return self.gen.follow(offset, stream, self)

@@ -39,3 +39,40 @@ class Observer:
 
     def on_worker_lost(self, link: WorkerLink, requeued: int) -> None:
         """A worker's stream broke; `requeued` sequences go back for recompute."""
+
+
+class Fanout(Observer):
+    """Several observers in order (the dedup bookkeeping first, then telemetry)."""
+
+    def __init__(self, *observers: Observer) -> None:
+        self.observers = [o for o in observers if type(o) is not Observer]  # skip the no-op base
+
+    def on_request(self, gen: Generation, spec: GenerationSpec, now: float) -> None:
+        for o in self.observers:
+            o.on_request(gen, spec, now)
+
+    def on_dedup(self, kind: str, outcome: str, request_id: str) -> None:
+        for o in self.observers:
+            o.on_dedup(kind, outcome, request_id)
+
+    def on_admitted(self, seq: Sequence, gen: Generation, now: float) -> None:
+        for o in self.observers:
+            o.on_admitted(seq, gen, now)
+
+    def on_tokens(self, gen: Generation, count: int, now: float) -> None:
+        for o in self.observers:
+            o.on_tokens(gen, count, now)
+
+    def on_finish(self, gen: Generation, now: float) -> None:
+        for o in self.observers:
+            o.on_finish(gen, now)
+
+    def on_step(
+        self, link: WorkerLink, plan: StepPlan, events: list[SeqEvent], resp: worker_pb2.StepResponse, loop_s: float
+    ) -> None:
+        for o in self.observers:
+            o.on_step(link, plan, events, resp, loop_s)
+
+    def on_worker_lost(self, link: WorkerLink, requeued: int) -> None:
+        for o in self.observers:
+            o.on_worker_lost(link, requeued)

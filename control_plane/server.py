@@ -1,5 +1,5 @@
-"""The public gRPC edge: InferenceService over the dispatcher. Each RPC is one short method; decisions
-live in admission, the dispatcher and the scheduler."""
+"""The public gRPC edge: InferenceService. Each RPC is one short method; decisions live in admission,
+dedup, the dispatcher and the scheduler."""
 
 from __future__ import annotations
 
@@ -9,50 +9,59 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from control_plane.admission import build_spec, streams, tenant_of
+from control_plane.admission import streams, tenant_of
+from control_plane.batch_jobs import BatchJobs
 from control_plane.config import Settings
+from control_plane.dedup import Deduper
 from control_plane.dispatcher import Dispatcher
 from control_plane.errors import ApiError, invalid
-from control_plane.generation import Generation
+from control_plane.generation import View
+from control_plane.validation import check_idempotency_key
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:
+    key = request.idempotency_key or next((str(v) for k, v in metadata or () if k == "x-idempotency-key"), "")
+    check_idempotency_key(key)
+    return key
+
+
+def traceparent_of(metadata: Metadata | None) -> str:
+    return next((str(v) for k, v in metadata or () if k == "traceparent"), "")
+
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, dispatcher: Dispatcher, settings: Settings) -> None:
+    def __init__(self, dispatcher: Dispatcher, deduper: Deduper, settings: Settings) -> None:
         self.dispatcher = dispatcher
+        self.deduper = deduper
         self.settings = settings
+        self.batches = BatchJobs(deduper)
 
-    # -- admission ---------------------------------------------------------------------------------------
-    def _start(self, request: inference_pb2.GenerateRequest, tenant: str, prefix: str = "") -> Generation:
-        d = self.dispatcher
-        assert d.tokenizer is not None and d.limits is not None
-        spec = build_spec(request, tenant, d.tokenizer, d.limits, self.settings, prefix=prefix)
-        existing = d.generations.get(spec.request_id)
-        if existing is not None:
-            raise ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use",
-                           "REQUEST_ID_IN_USE")  # fmt: skip
-        return d.submit(spec)
+    async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str = "") -> View:
+        return await self.deduper.generate(
+            request, tenant_of(metadata), idempotency_key(request, metadata), traceparent_of(metadata), prefix
+        )
 
-    async def _follow(
-        self, gen: Generation, offset: int, stream: bool
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        self.dispatcher.attach(gen)
+    async def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        self.dispatcher.attach(view.gen)
         try:
-            async for chunk in gen.follow(offset, stream):
+            async for chunk in view.follow(offset, stream):
                 yield chunk
         finally:
-            self.dispatcher.detach(gen)
+            self.dispatcher.detach(view.gen)
 
     # -- RPCs --------------------------------------------------------------------------------------------
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
-            gen = self._start(request, tenant_of(context.invocation_metadata()))
-            await context.send_initial_metadata((("x-request-id", gen.request_id),))
-            async for chunk in self._follow(gen, 0, streams(request, self.settings)):
+            view = await self.start(request, context.invocation_metadata())
+            await context.send_initial_metadata((("x-request-id", view.request_id),))
+            async for chunk in self.follow(view, 0, streams(request, self.settings)):
                 yield chunk
         except ApiError as err:
             await err.abort(context)
@@ -61,19 +70,12 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.ResumeResponse]:
         try:
-            gen = self._resumable(request.request_id, request.offset, tenant_of(context.invocation_metadata()))
-            async for chunk in self._follow(gen, request.offset, True):
+            tenant = tenant_of(context.invocation_metadata())
+            view = await self.deduper.resume(request.request_id, request.offset, tenant)
+            async for chunk in self.follow(view, request.offset, True):
                 yield inference_pb2.ResumeResponse(chunk=chunk)
         except ApiError as err:
             await err.abort(context)
-
-    def _resumable(self, request_id: str, offset: int, tenant: str) -> Generation:
-        if not request_id:
-            raise invalid("request_id", "must not be empty")
-        gen = self.dispatcher.get(request_id, tenant)
-        if offset > len(gen.token_ids):
-            raise invalid("offset", f"{offset} is beyond the {len(gen.token_ids)} tokens generated so far")
-        return gen
 
     async def Cancel(
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
@@ -100,10 +102,38 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
         )
 
+    async def SubmitBatch(
+        self, request: inference_pb2.SubmitBatchRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.SubmitBatchResponse:
+        try:
+            return await self.batches.submit(request, tenant_of(context.invocation_metadata()))
+        except ApiError as err:
+            await err.abort(context)
+            raise
+
+    async def GetBatch(
+        self, request: inference_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetBatchResponse:
+        try:
+            items = await self.batches.items(request.batch_id, tenant_of(context.invocation_metadata()))
+            return inference_pb2.GetBatchResponse(batch_id=request.batch_id, items=items)
+        except ApiError as err:
+            await err.abort(context)
+            raise
+
+    async def WatchBatch(
+        self, request: inference_pb2.WatchBatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.WatchBatchResponse]:
+        try:
+            async for item in self.batches.watch(request.batch_id, tenant_of(context.invocation_metadata())):
+                yield inference_pb2.WatchBatchResponse(item=item)
+        except ApiError as err:
+            await err.abort(context)
+
     async def Session(
         self, request_iterator: AsyncIterator[inference_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.SessionResponse]:
-        session = _Session(self, tenant_of(context.invocation_metadata()))
+        session = _Session(self, context.invocation_metadata())
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while True:
@@ -119,9 +149,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
 class _Session:
     """Generations multiplexed on one bidi stream, keyed by the caller's stream_id."""
 
-    def __init__(self, service: InferenceService, tenant: str) -> None:
+    def __init__(self, service: InferenceService, metadata: Metadata | None) -> None:
         self.service = service
-        self.tenant = tenant
+        self.metadata = metadata
+        self.tenant = tenant_of(metadata)
         self.outbox: asyncio.Queue[inference_pb2.SessionResponse | None] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.request_ids: dict[str, str] = {}
@@ -129,42 +160,43 @@ class _Session:
     async def read(self, requests: AsyncIterator[inference_pb2.SessionRequest]) -> None:
         try:
             async for req in requests:
-                self._handle(req)
+                await self._handle(req)
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         finally:
             self.outbox.put_nowait(None)
 
-    def _handle(self, req: inference_pb2.SessionRequest) -> None:
+    async def _handle(self, req: inference_pb2.SessionRequest) -> None:
         sid = req.stream_id
         action = req.WhichOneof("action")
         try:
             if action == "generate":
                 if sid in self.tasks and not self.tasks[sid].done():
                     raise invalid("stream_id", f"{sid!r} is already in use on this session")
-                gen = self.service._start(req.generate.request, self.tenant, prefix="generate.request.")
-                self._spawn(sid, gen, 0, streams(req.generate.request, self.service.settings))
+                request = req.generate.request
+                view = await self.service.start(request, self.metadata, prefix="generate.request.")
+                self._spawn(sid, view, 0, streams(request, self.service.settings))
             elif action == "resume":
-                gen = self.service._resumable(req.resume.request_id, req.resume.offset, self.tenant)
-                self._spawn(sid, gen, req.resume.offset, True)
+                view = await self.service.deduper.resume(req.resume.request_id, req.resume.offset, self.tenant)
+                self._spawn(sid, view, req.resume.offset, True)
             elif action == "cancel":
                 request_id = self.request_ids.get(sid)
                 if request_id is None:
                     raise invalid("stream_id", f"{sid!r} names no generation on this session")
                 self.service.dispatcher.cancel(request_id, self.tenant)
             elif action == "ack":
-                pass  # offsets are kept per generation; nothing is trimmed before the resume window ends
+                pass  # the log is kept for the resume window whatever the caller acknowledged
             else:
                 raise invalid("action", "set one of generate, cancel, resume, ack")
         except ApiError as err:
             self._error(sid, err)
 
-    def _spawn(self, sid: str, gen: Generation, offset: int, stream: bool) -> None:
-        self.request_ids[sid] = gen.request_id
-        self.tasks[sid] = asyncio.create_task(self._pump(sid, gen, offset, stream))
+    def _spawn(self, sid: str, view: View, offset: int, stream: bool) -> None:
+        self.request_ids[sid] = view.request_id
+        self.tasks[sid] = asyncio.create_task(self._pump(sid, view, offset, stream))
 
-    async def _pump(self, sid: str, gen: Generation, offset: int, stream: bool) -> None:
+    async def _pump(self, sid: str, view: View, offset: int, stream: bool) -> None:
         try:
-            async for chunk in self.service._follow(gen, offset, stream):
+            async for chunk in self.service.follow(view, offset, stream):
                 self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, chunk=chunk))
         except ApiError as err:
             self._error(sid, err)

@@ -23,11 +23,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def worker_command(settings: WorkerSettings, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "clients.cli", "worker",
-        "--model", settings.model, "--device", settings.device, "--dtype", settings.dtype,
-        "--kv-cache-mb", str(settings.kv_cache_mb), "--block-size", str(settings.block_size),
-        "--host", settings.host, "--port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "worker",
+        "--model",
+        settings.model,
+        "--device",
+        settings.device,
+        "--dtype",
+        settings.dtype,
+        "--kv-cache-mb",
+        str(settings.kv_cache_mb),
+        "--block-size",
+        str(settings.block_size),
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+    ]
 
 
 @dataclass

@@ -1,0 +1,336 @@
+"""Dedup decisions (DESIGN §4.2-§4.3, §4.9): idempotency keys through the store, identical in-flight
+requests coalesced, results replayed, resumes served on any replica, takeovers of a dead owner's work.
+
+Every decision is reported to the observer (telemetry) and, as the dedup outcome, to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from control_plane.admission import build_spec
+from control_plane.config import Settings
+from control_plane.dispatcher import Dispatcher, GenerationSpec
+from control_plane.errors import ApiError, invalid, not_found, unavailable
+from control_plane.generation import Generation, View
+from control_plane.observer import Observer
+from control_plane.replication import Replicator, apply_slice, parse_finish
+from control_plane.sequence import Sequence
+from dedup_service import BATCH_KEY_PREFIX, Outcome, Record, State, Store, StoreUnavailable, fingerprint
+from dedup_service.memory import MemoryStore
+from protos.coalesce.v1 import inference_pb2
+
+log = logging.getLogger(__name__)
+
+MISS, COALESCED = inference_pb2.DEDUP_OUTCOME_MISS, inference_pb2.DEDUP_OUTCOME_COALESCED
+REPLAYED, TAKEOVER = inference_pb2.DEDUP_OUTCOME_REPLAYED, inference_pb2.DEDUP_OUTCOME_TAKEOVER
+TAIL_S = 1.0
+
+
+def new_owner() -> str:
+    """Unique per process: fencing tells replicas (and restarts of one) apart."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def request_fingerprint(spec: GenerationSpec, request: inference_pb2.GenerateRequest, model: str) -> str:
+    """Identity of what the caller asked for: the caller's sampling (their seed, not the worker's noise seed)."""
+    s = request.sampling
+    sampling = {
+        "temperature": float(s.temperature),
+        "top_p": float(s.top_p or 1.0),
+        "top_k": int(s.top_k),
+        "seed": int(s.seed) if s.HasField("seed") else None,
+        "max_tokens": spec.max_tokens,
+        "ignore_eos": bool(s.ignore_eos),
+        "logprobs": int(s.logprobs),
+    }
+    return fingerprint(spec.tenant, model, spec.prompt_ids, sampling, list(s.stop), list(s.stop_token_ids))
+
+
+def deterministic(request: inference_pb2.GenerateRequest) -> bool:
+    return request.sampling.temperature == 0 or request.sampling.HasField("seed")
+
+
+class Deduper(Observer):
+    """Admits requests through the store; also an Observer, to keep the shared side in step."""
+
+    def __init__(self, dispatcher: Dispatcher, store: Store, settings: Settings, owner: str | None = None) -> None:
+        self.d = dispatcher
+        self.store = store
+        self.settings = settings
+        self.owner = owner or new_owner()
+        self.replicated = not isinstance(store, MemoryStore)
+        self.replicator = Replicator(
+            store, self.owner, settings.lease_s, settings.resume_grace_s, settings.idempotency_retention_s
+        )
+        self.replicator.on_fenced = lambda gen: self.d.abort(gen, inference_pb2.FINISH_REASON_CANCELLED)
+        self.leaders: dict[tuple[str, str], View] = {}  # in-flight content leaders on this replica
+        self._mirrors: dict[str, View] = {}  # generations of other replicas followed from their logs
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def report(self) -> Callable[[str, str, str], None]:
+        return self.d.observer.on_dedup
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.replicator.start()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.replicator.stop()
+
+    # -- Generate ----------------------------------------------------------------------------------------
+    async def generate(
+        self, request: inference_pb2.GenerateRequest, tenant: str, key: str, traceparent: str = "", prefix: str = ""
+    ) -> View:
+        d = self.d
+        assert d.tokenizer is not None and d.limits is not None
+        spec = build_spec(request, tenant, d.tokenizer, d.limits, self.settings, traceparent=traceparent, prefix=prefix)
+        if spec.request_id in d.views:
+            raise ApiError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use", "REQUEST_ID_IN_USE"
+            )
+        try:
+            if key:
+                if key.startswith(BATCH_KEY_PREFIX):
+                    raise invalid("idempotency_key", f"keys starting with {BATCH_KEY_PREFIX!r} are reserved")
+                return await self._keyed(spec, request, key)
+            return await self._unkeyed(spec, request)
+        except StoreUnavailable as exc:
+            if self.settings.dedup_fail_open:
+                log.warning("store down, serving without dedup (fail-open): %s", exc)
+                return d.submit(spec)
+            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+
+    async def _unkeyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> View:
+        d = self.d
+        content = request.dedup != inference_pb2.DEDUP_POLICY_OFF and deterministic(request)
+        fp = request_fingerprint(spec, request, d.info.model_name) if content else ""
+        leader = self.leaders.get((spec.tenant, fp)) if content else None
+        if leader is not None and not leader.gen.done:
+            self.report("content", "coalesced", spec.request_id)
+            return d.join(leader, spec.request_id, COALESCED)
+        if self.replicated and not await self.store.start_request(spec.tenant, spec.request_id, self.owner):
+            raise ApiError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use", "REQUEST_ID_IN_USE"
+            )
+        view = d.submit(spec)
+        self.replicator.own(view.gen, 1, "", self.replicated)
+        if content:
+            self.leaders[(spec.tenant, fp)] = view
+        self.report("content", "miss", spec.request_id)
+        return view
+
+    async def _keyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest, key: str) -> View:
+        fp = request_fingerprint(spec, request, self.d.info.model_name)
+        claimed = inference_pb2.GenerateRequest()
+        claimed.CopyFrom(request)
+        claimed.request_id = spec.request_id
+        res = await self.store.claim(
+            spec.tenant,
+            key,
+            self.owner,
+            fp,
+            spec.request_id,
+            self.settings.lease_s,
+            payload=claimed.SerializeToString(),
+        )
+        record = res.record
+        match res.outcome:
+            case Outcome.CLAIMED:
+                view = self.d.submit(spec)
+                self.replicator.own(view.gen, record.epoch if record else 1, key, self.replicated)
+                self.report("idempotency", "miss", spec.request_id)
+                return view
+            case Outcome.ATTACH:
+                assert record is not None
+                self.report("idempotency", "coalesced", record.request_id)
+                return await self._attach(record, spec.tenant)
+            case Outcome.TAKEOVER:
+                assert record is not None
+                self.report("idempotency", "takeover", record.request_id)
+                return await self._take_over(record)
+            case Outcome.REPLAY:
+                assert record is not None
+                self.report("idempotency", "replayed", record.request_id)
+                return replay_view(record, spec.tenant)
+            case Outcome.REPLAY_ERROR:
+                assert record is not None
+                self.report("idempotency", "replayed", record.request_id)
+                raise stored_error(record.error)
+            case Outcome.KEY_REUSED:
+                raise ApiError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"idempotency key {key!r} was used for another request payload",
+                    "IDEMPOTENCY_KEY_REUSED",
+                )
+            case _:
+                raise ApiError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {spec.request_id!r} is already in use",
+                    "REQUEST_ID_IN_USE",
+                )
+
+    async def _attach(self, record: Record, tenant: str) -> View:
+        """Read the running request from offset 0: locally when it runs here, else from its log."""
+        local = self.d.views.get(record.request_id)
+        if local is not None:
+            local.gen.interest += 1
+            return View(record.request_id, local.gen, COALESCED)
+        mirror = await self._mirror(record.request_id, tenant, record.key)
+        mirror.gen.interest += 1
+        return View(record.request_id, mirror.gen, COALESCED)
+
+    async def _take_over(self, record: Record) -> View:
+        """Our claim holds a new epoch: continue the generation from its logged tokens (re-prefill)."""
+        request = inference_pb2.GenerateRequest.FromString(record.payload)
+        d = self.d
+        assert d.tokenizer is not None and d.limits is not None
+        spec = build_spec(request, record.tenant, d.tokenizer, d.limits, self.settings, request_id=record.request_id)
+        gen = self._mirrors.pop(record.request_id).gen if record.request_id in self._mirrors else None
+        if gen is None:
+            gen = Generation(record.request_id, record.tenant, prompt_tokens=len(spec.prompt_ids))
+        await self._catch_up(gen)
+        d.views.pop(record.request_id, None)
+        view = d.submit(spec, gen, TAKEOVER)
+        self.replicator.own(gen, record.epoch, record.key, self.replicated)
+        return view
+
+    async def _catch_up(self, gen: Generation) -> None:
+        while True:
+            piece = await self.store.read(gen.request_id, len(gen.token_ids))
+            if piece is None or not piece.entries:
+                return
+            apply_slice(gen, piece)
+
+    # -- Resume ------------------------------------------------------------------------------------------
+    async def resume(self, request_id: str, offset: int, tenant: str) -> View:
+        if not request_id:
+            raise invalid("request_id", "must not be empty")
+        view = self.d.views.get(request_id)
+        if view is None and self.replicated:
+            view = await self._remote(request_id, tenant)
+        if view is None or view.tenant != tenant:
+            raise not_found(f"request {request_id!r} is unknown or expired")
+        if offset > len(view.gen.token_ids) and view.gen.done:
+            raise invalid("offset", f"{offset} is beyond the {len(view.gen.token_ids)} tokens generated")
+        return view
+
+    async def _remote(self, request_id: str, tenant: str) -> View | None:
+        try:
+            info = await self.store.lookup_request(tenant, request_id)
+            if info is None:
+                return None
+            if info.key:
+                record = await self.store.get(tenant, info.key)
+                if record is not None and record.state == State.SUCCESS:
+                    return replay_view(record, tenant)
+            return await self._mirror(request_id, tenant, info.key)
+        except StoreUnavailable as exc:
+            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+
+    async def _mirror(self, request_id: str, tenant: str, key: str) -> View:
+        """A local view of another replica's generation, fed from its token log; takes it over when the
+        owner's lease expires (its control plane died)."""
+        existing = self._mirrors.get(request_id)
+        if existing is not None:
+            return existing
+        gen = Generation(request_id, tenant, prompt_tokens=0, interest=0)
+        view = self.d.add_view(View(request_id, gen, COALESCED))
+        self._mirrors[request_id] = view
+        task = asyncio.create_task(self._follow_log(view, key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return view
+
+    async def _follow_log(self, view: View, key: str) -> None:
+        gen = view.gen
+        quiet_since = time.monotonic()
+        while not gen.done:
+            try:
+                piece = await self.store.tail(gen.request_id, len(gen.token_ids), TAIL_S)
+            except StoreUnavailable:
+                await asyncio.sleep(TAIL_S)
+                continue
+            if piece is None:
+                gen.finish(inference_pb2.FINISH_REASON_ERROR, self.d.clock(), not_found("the request's log expired"))
+                break
+            if piece.entries:
+                apply_slice(gen, piece)
+                quiet_since = time.monotonic()
+            if piece.finished:
+                done = parse_finish(piece.finish_info)
+                gen.prompt_tokens = done.usage.prompt_tokens
+                gen.cached_tokens = done.usage.cached_prompt_tokens
+                error = stored_error(done.text) if done.finish_reason == inference_pb2.FINISH_REASON_ERROR else None
+                gen.finish(done.finish_reason, self.d.clock(), error)
+            elif key and time.monotonic() - quiet_since >= TAIL_S and await self._owner_dead(gen, key):
+                return  # taken over: the computation now runs here on the same Generation
+        self._mirrors.pop(gen.request_id, None)
+
+    async def _owner_dead(self, gen: Generation, key: str) -> bool:
+        record = await self.store.get(gen.tenant, key)
+        if record is None or record.state not in (State.INIT, State.PROCESSING):
+            return False
+        if record.lease_until > self.store.clock():
+            return False
+        res = await self.store.claim(
+            gen.tenant, key, self.owner, record.fingerprint, record.request_id, self.settings.lease_s
+        )
+        if res.outcome is not Outcome.TAKEOVER or res.record is None:
+            return False
+        self.report("idempotency", "takeover", gen.request_id)
+        await self._take_over(res.record)
+        return True
+
+    # -- Observer: keep the shared side in step ------------------------------------------------------------
+    def on_admitted(self, seq: Sequence, gen: Generation, now: float) -> None:
+        owned = self.replicator.owned.get(gen.request_id)
+        if owned is not None:
+            owned.admitted = True
+            self.replicator.touch()
+
+    def on_tokens(self, gen: Generation, count: int, now: float) -> None:
+        self.replicator.touch()
+
+    def on_finish(self, gen: Generation, now: float) -> None:
+        for k, leader in list(self.leaders.items()):
+            if leader.gen is gen:
+                del self.leaders[k]
+        self.replicator.touch()
+
+
+def replay_view(record: Record, tenant: str) -> View:
+    """A finished generation rebuilt from a SUCCESS record's stored result."""
+    result = inference_pb2.GenerateResponse.FromString(record.result)
+    gen = Generation(
+        record.request_id,
+        tenant,
+        prompt_tokens=result.usage.prompt_tokens,
+        cached_tokens=result.usage.cached_prompt_tokens,
+    )
+    if result.token_ids:
+        gen.append(result.token_ids[0], result.text)
+        for token in result.token_ids[1:]:
+            gen.append(token, "")
+    if result.logprobs:
+        gen.logprobs = list(result.logprobs)
+    gen.finish(result.finish_reason, time.monotonic())
+    return View(record.request_id, gen, REPLAYED)
+
+
+def stored_error(text: str) -> ApiError:
+    """An error replayed from its "CODE: message" form."""
+    name, _, message = text.partition(": ")
+    code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+    return ApiError(code, message or text, "REPLAYED_ERROR")
