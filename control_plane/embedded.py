@@ -43,6 +43,10 @@ async def serve_control_plane(
     dispatcher = Dispatcher(settings, addresses, observer=telemetry.observer)
     await dispatcher.start()
     telemetry.bind(dispatcher)
+    store = make_store(settings.store)
+    deduper = Deduper(dispatcher, store, settings)
+    dispatcher.observer = Fanout(deduper, dispatcher.observer)  # dedup bookkeeping before telemetry
+    deduper.start()
     server = grpc.aio.server(
         interceptors=telemetry.interceptors,
         options=[
@@ -99,8 +103,11 @@ def run_serve(settings: Settings, demo: bool = False) -> None:
 
         async def ready(port: int, dispatcher: Dispatcher) -> None:
             info = dispatcher.info
-            print(f"coalesce serving {info.model_name} on {settings.host}:{port} "
-                  f"({len(workers)} worker(s), {info.device}); Ctrl-C stops", flush=True)  # fmt: skip
+            print(
+                f"coalesce serving {info.model_name} on {settings.host}:{port} "
+                f"({len(workers)} worker(s), {info.device}); Ctrl-C stops",
+                flush=True,
+            )
             if info.model_name == "builtin":
                 print(BUILTIN_NOTE, flush=True)
             if demo:
@@ -132,8 +139,10 @@ def run_control_plane(settings: Settings) -> None:
         _install_signals(stop)
 
         def ready(port: int, dispatcher: Dispatcher) -> None:
-            print(f"coalesce control plane on {settings.host}:{port} -> {', '.join(settings.worker_addresses)}",
-                  flush=True)  # fmt: skip
+            print(
+                f"coalesce control plane on {settings.host}:{port} -> {', '.join(settings.worker_addresses)}",
+                flush=True,
+            )
 
         await serve_control_plane(settings, settings.worker_addresses, ready, stop)
 
