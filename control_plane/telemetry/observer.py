@@ -18,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from control_plane.observer import Observer
+from control_plane.sequence import POOLS
 from control_plane.telemetry import logs
 from control_plane.telemetry.metrics import BusyMeter, Metrics, SchedulerCollector, Snapshot
 from control_plane.telemetry.tracing import TRACER_NAME, epoch_ns
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from protos.coalesce.v1 import worker_pb2
 
 OPERATION = "text_completion"
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+DEDUP_OUTCOMES = {"idempotency": ("miss", "coalesced", "replayed", "takeover"), "content": ("miss", "coalesced", "hit")}
 
 
 def finish_name(reason: int) -> str:
@@ -79,7 +82,24 @@ class TelemetryObserver(Observer):
 
         self._links = dispatcher.links
         self.model = dispatcher.info.model_name
+        self._declare([link.address for link in self._links])
         self.metrics.registry.register(SchedulerCollector(asyncio.get_running_loop(), self.snapshot))
+
+    def _declare(self, workers: list[str]) -> None:
+        """Create every known label set at zero, so each series exists before its first event."""
+        m = self.metrics
+        for pool in POOLS:
+            for hist in (m.ttft, m.ttft_no_queue, m.tpot, m.duration):
+                hist.labels(OPERATION, self.model, pool)
+            m.dwell.labels(pool)
+            m.preemptions.labels(pool)
+            for reason in FINISH_REASONS:
+                m.requests.labels(pool, reason)
+        for kind, outcomes in DEDUP_OUTCOMES.items():
+            for outcome in outcomes:
+                m.dedup.labels(kind, outcome)
+        for worker in workers:
+            m.worker_lost.labels(worker)
 
     def snapshot(self) -> list[Snapshot]:
         now = self.clock()

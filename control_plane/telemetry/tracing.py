@@ -72,19 +72,6 @@ def current_traceparent() -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
-def parse_traceparent(value: str) -> trace.SpanContext | None:
-    """The remote span context a traceparent names (None when empty or malformed)."""
-    parts = value.split("-")
-    if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16:
-        return None
-    try:
-        trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
-    except ValueError:
-        return None
-    ctx = trace.SpanContext(trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(flags))
-    return ctx if ctx.is_valid else None
-
-
 Behavior = Callable[..., Any]
 
 
