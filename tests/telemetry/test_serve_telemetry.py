@@ -203,3 +203,26 @@ def test_json_event_logs_carry_the_trace_id(served: Served) -> None:
     line = served.serve.wait_for_line(rf'"event": "request.finish".*"request_id": "{chunks[0].request_id}"', 10)
     assert f'"trace_id": "{trace_id}"' in line and line.lstrip().startswith("{")
     assert os.environ.get("COALESCE_LOG_FORMAT") is None  # the setting went to the server only
+
+
+def test_session_generations_get_a_span_each_under_the_session_span(served: Served) -> None:
+    trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+    requests = [
+        inference_pb2.SessionRequest(stream_id=sid, generate=inference_pb2.SessionGenerate(request=inference_pb2.
+            GenerateRequest(text=f"session {sid}", sampling=inference_pb2.SamplingParams(max_tokens=4))))
+        for sid in ("a", "b")
+    ]  # fmt: skip
+    with grpc.insecure_channel(served.serve.address) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        responses = list(stub.Session(iter(requests), metadata=[("traceparent", f"00-{trace_id}-{caller}-01")]))
+    assert {r.stream_id for r in responses if r.chunk.finish_reason} == {"a", "b"}
+
+    def generations(spans: list[Received]) -> list[Received]:
+        return [s for s in _in_trace(spans, trace_id) if s.name.startswith("text_completion ")]
+
+    spans = served.receiver.wait_for(lambda got: len(generations(got)) == 2)
+    [session] = [s for s in _in_trace(spans, trace_id) if s.name.endswith("/Session")]
+    assert session.parent_id == caller
+    assert all(
+        g.parent_id == session.span_id and g.attrs["gen_ai.usage.output_tokens"] >= 1 for g in generations(spans)
+    )
