@@ -113,23 +113,46 @@ class Deduper(Observer):
             raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
 
     async def _unkeyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> View:
-        d = self.d
-        content = request.dedup != inference_pb2.DEDUP_POLICY_OFF and deterministic(request)
-        fp = request_fingerprint(spec, request, d.info.model_name) if content else ""
-        leader = self.leaders.get((spec.tenant, fp)) if content else None
-        if leader is not None and not leader.gen.done:
+        leader = self._leader(spec, request)
+        if leader is not None:
             self.report("content", "coalesced", spec.request_id)
-            return d.join(leader, spec.request_id, COALESCED)
-        if self.replicated and not await self.store.start_request(spec.tenant, spec.request_id, self.owner):
+            return self.d.join(leader, spec.request_id, COALESCED)
+        indexed = self.replicated and await self._index(spec)
+        view = self.d.submit(spec)
+        self.replicator.own(view.gen, 1, "", indexed)
+        self._lead(spec, request, view)
+        self.report("content", "miss", spec.request_id)
+        return view
+
+    def _content_key(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> tuple[str, str] | None:
+        """Identical in-flight requests share a computation when their sampling is deterministic."""
+        if request.dedup == inference_pb2.DEDUP_POLICY_OFF or not deterministic(request):
+            return None
+        return spec.tenant, request_fingerprint(spec, request, self.d.info.model_name)
+
+    def _leader(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> View | None:
+        key = self._content_key(spec, request)
+        leader = self.leaders.get(key) if key else None
+        return leader if leader is not None and not leader.gen.done else None
+
+    def _lead(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest, view: View) -> None:
+        key = self._content_key(spec, request)
+        if key is not None:
+            self.leaders[key] = view
+
+    async def _index(self, spec: GenerationSpec) -> bool:
+        """Register a keyless request so any replica can resume it. With the store down it still runs (no
+        duplicate can follow from that), only without cross-replica resume."""
+        try:
+            taken = not await self.store.start_request(spec.tenant, spec.request_id, self.owner)
+        except StoreUnavailable as exc:
+            log.warning("request %s runs unindexed, the store is down: %s", spec.request_id, exc)
+            return False
+        if taken:
             raise ApiError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use", "REQUEST_ID_IN_USE"
             )
-        view = d.submit(spec)
-        self.replicator.own(view.gen, 1, "", self.replicated)
-        if content:
-            self.leaders[(spec.tenant, fp)] = view
-        self.report("content", "miss", spec.request_id)
-        return view
+        return True
 
     async def _keyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest, key: str) -> View:
         fp = request_fingerprint(spec, request, self.d.info.model_name)
@@ -148,8 +171,15 @@ class Deduper(Observer):
         record = res.record
         match res.outcome:
             case Outcome.CLAIMED:
+                epoch = record.epoch if record else 1
+                leader = self._leader(spec, request) if not self.replicated else None
+                if leader is not None:  # an identical computation runs here: ride on it, keep our record
+                    self.replicator.own(leader.gen, epoch, key, False, name=spec.request_id)
+                    self.report("content", "coalesced", spec.request_id)
+                    return self.d.join(leader, spec.request_id, COALESCED)
                 view = self.d.submit(spec)
-                self.replicator.own(view.gen, record.epoch if record else 1, key, self.replicated)
+                self.replicator.own(view.gen, epoch, key, self.replicated)
+                self._lead(spec, request, view)
                 self.report("idempotency", "miss", spec.request_id)
                 return view
             case Outcome.ATTACH:

@@ -25,8 +25,10 @@ SERVER_FAULTS = {"UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED", "ABORTED", "DE
 
 @dataclass(slots=True)
 class Owned:
-    """A computation this replica runs; `key` is its idempotency key ("" without one)."""
+    """A request whose shared side this replica keeps: the computation it runs (`name` is the generation's
+    request id), or a keyed request riding on an identical computation here (`name` is its own id)."""
 
+    name: str
     gen: Generation
     epoch: int
     key: str = ""
@@ -46,9 +48,10 @@ def finish_info(gen: Generation) -> bytes:
     return msg.SerializeToString()
 
 
-def result_of(gen: Generation) -> bytes:
+def result_of(gen: Generation, request_id: str) -> bytes:
     """The whole generation as one GenerateResponse: what a SUCCESS record replays."""
     msg = gen.chunk(0, len(gen.token_ids))
+    msg.request_id = request_id
     return msg.SerializeToString()
 
 
@@ -59,7 +62,7 @@ class Replicator:
         self.lease_s = settings_lease_s
         self.keep_s = keep_s
         self.retention_s = retention_s
-        self.owned: dict[str, Owned] = {}  # by the computation's request id
+        self.owned: dict[str, Owned] = {}  # by name
         self.tenant_of: dict[str, str] = {}
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -75,9 +78,10 @@ class Replicator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def own(self, gen: Generation, epoch: int, key: str, write_log: bool) -> Owned:
-        owned = Owned(gen, epoch, key, write_log, flushed=len(gen.token_ids) if write_log else 0)
-        self.owned[gen.request_id] = owned
+    def own(self, gen: Generation, epoch: int, key: str, write_log: bool, name: str = "") -> Owned:
+        name = name or gen.request_id
+        owned = Owned(name, gen, epoch, key, write_log, flushed=len(gen.token_ids) if write_log else 0)
+        self.owned[name] = owned
         self.tenant_of[gen.request_id] = gen.tenant
         return owned
 
@@ -121,7 +125,9 @@ class Replicator:
             await self.store.finish(gen.request_id, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
         if o.key:
             if gen.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH):
-                await self.store.succeed(gen.tenant, o.key, self.owner, o.epoch, result_of(gen), self.retention_s)
+                await self.store.succeed(
+                    gen.tenant, o.key, self.owner, o.epoch, result_of(gen, o.name), self.retention_s
+                )
             else:
                 await self.store.fail(
                     gen.tenant,
@@ -133,7 +139,7 @@ class Replicator:
                     retryable=_retryable(gen.error),
                 )
         o.closed = True
-        del self.owned[gen.request_id]
+        del self.owned[o.name]
 
     async def _heartbeat(self) -> None:
         while True:
@@ -145,7 +151,7 @@ class Replicator:
 
     def _fence(self, o: Owned) -> None:
         log.warning("request %s: fenced out (epoch %d is stale); stopping it here", o.gen.request_id, o.epoch)
-        self.owned.pop(o.gen.request_id, None)
+        self.owned.pop(o.name, None)
         o.closed = True
         self.on_fenced(o.gen)
 

@@ -69,6 +69,16 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server shared by a module's tests (for tests that start slow processes once)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 async def grpc_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
     """Start grpc.aio servers on 127.0.0.1 with a free port: `address = await grpc_server(add_fn, ...)`.

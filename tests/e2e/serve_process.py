@@ -13,13 +13,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
+CONTROL_PLANE = re.compile(r"coalesce control plane on (\S+):(\d+)")
+WORKER = re.compile(r"coalesce worker listening on (\S+):(\d+)")
 
 
-class ServeProcess:
-    """`coalesce serve --port 0 ...` as a child process; `.address` once it printed that it serves."""
+class CoalesceProcess:
+    """`coalesce COMMAND --port 0 ...` as a child process; `.address` once it printed where it listens."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
-        cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", "0", *args]
+    def __init__(
+        self,
+        command: str,
+        *args: str,
+        ready: re.Pattern[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> None:
+        self.ready = ready
+        cmd = [sys.executable, "-m", "clients.cli", command, "--port", "0", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("COALESCE_CONFIG", None)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -30,13 +40,13 @@ class ServeProcess:
         threading.Thread(target=self._read, daemon=True).start()
         if not self._found.wait(timeout):
             self.stop()
-            raise RuntimeError("coalesce serve did not start:\n" + "".join(self.lines[-40:]))
+            raise RuntimeError(f"coalesce {command} did not start:\n" + "".join(self.lines[-40:]))
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
-            match = SERVING.search(line)
+            match = self.ready.search(line)
             if match and not self._found.is_set():
                 self.address = f"{match.group(1)}:{match.group(2)}"
                 self._found.set()
@@ -63,3 +73,23 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class ServeProcess(CoalesceProcess):
+    """`coalesce serve --port 0 ...`: control plane and spawned workers."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+        super().__init__("serve", *args, ready=SERVING, env=env, timeout=timeout)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus samples (name{labels} -> value) from a /metrics endpoint."""
+    from urllib.request import urlopen
+
+    samples: dict[str, float] = {}
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        for line in page.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+    return samples
