@@ -16,6 +16,7 @@ from control_plane.dedup import Deduper
 from control_plane.dispatcher import Dispatcher
 from control_plane.errors import ApiError, invalid
 from control_plane.generation import View
+from control_plane.telemetry.tracing import current_traceparent
 from control_plane.validation import check_idempotency_key
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 
@@ -31,7 +32,8 @@ def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata |
 
 
 def traceparent_of(metadata: Metadata | None) -> str:
-    return next((str(v) for k, v in metadata or () if k == "traceparent"), "")
+    """The trace context workers link their step spans to: our server span (when tracing is on)."""
+    return current_traceparent() or next((str(v) for k, v in metadata or () if k == "traceparent"), "")
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):

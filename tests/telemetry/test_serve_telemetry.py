@@ -65,10 +65,13 @@ def served() -> Iterator[Served]:
             assert serve.stop() == 0, "".join(serve.lines[-30:])
 
 
-def generate(address: str, prompt: str, max_tokens: int = 6) -> tuple[str, str, list[inference_pb2.GenerateResponse]]:
+def generate(
+    address: str, prompt: str, max_tokens: int = 6, key: str = ""
+) -> tuple[str, str, list[inference_pb2.GenerateResponse]]:
     """One Generate call under a caller's span of our own: (trace id, caller span id, responses)."""
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    request = inference_pb2.GenerateRequest(text=prompt, sampling=inference_pb2.SamplingParams(max_tokens=max_tokens))
+    sampling = inference_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling, idempotency_key=key)
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         chunks = list(stub.Generate(request, metadata=[("traceparent", f"00-{trace_id}-{span_id}-01")], timeout=30))
@@ -132,9 +135,40 @@ def _plain_miss(address: str) -> tuple[str, str]:
     return trace_id, "content"
 
 
+def _replayed(address: str) -> tuple[str, str]:
+    generate(address, "say it twice", key="telemetry-replay")
+    trace_id, _, _ = generate(address, "say it twice", key="telemetry-replay")
+    return trace_id, "idempotency"
+
+
+def _coalesced(address: str) -> tuple[str, str]:
+    prompt, started = "one computation, two readers", threading.Event()
+
+    def lead() -> None:  # streams, so the follower can be sent once the leader is surely running
+        sampling = inference_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+        request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling, stream=True)
+        with grpc.insecure_channel(address) as channel:
+            for _ in inference_pb2_grpc.InferenceServiceStub(channel).Generate(request, timeout=60):
+                started.set()
+
+    leader = threading.Thread(target=lead)
+    leader.start()
+    try:
+        assert started.wait(30)
+        trace_id, _, chunks = generate(address, prompt, 400)
+        assert chunks[0].dedup_outcome == inference_pb2.DEDUP_OUTCOME_COALESCED
+        return trace_id, "content"
+    finally:
+        leader.join()
+
+
 # (outcome, send): `send` makes the request whose trace must hold a dedup.lookup span with that outcome and
-# returns (trace id, expected kind). The coalesced and replayed cases join here once dedup is wired.
-DEDUP_CASES: list[tuple[str, Callable[[str], tuple[str, str]]]] = [("miss", _plain_miss)]
+# returns (trace id, expected kind).
+DEDUP_CASES: list[tuple[str, Callable[[str], tuple[str, str]]]] = [
+    ("miss", _plain_miss),
+    ("replayed", _replayed),
+    ("coalesced", _coalesced),
+]
 
 
 @pytest.mark.parametrize(("outcome", "send"), DEDUP_CASES, ids=[c[0] for c in DEDUP_CASES])
