@@ -12,7 +12,7 @@ import grpc
 from control_plane.admission import build_spec
 from control_plane.dedup import Deduper, request_fingerprint
 from control_plane.dispatcher import GenerationSpec
-from control_plane.errors import ApiError, invalid, not_found, unavailable
+from control_plane.errors import ApiError, invalid, not_found, store_down
 from dedup_service import Outcome, Record, State, StoreUnavailable, batch_key
 from protos.coalesce.v1 import inference_pb2
 
@@ -42,7 +42,7 @@ class BatchJobs:
                 else:
                     skipped += 1
         except StoreUnavailable as exc:
-            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+            raise store_down(exc) from None
         return inference_pb2.SubmitBatchResponse(batch_id=request.batch_id, queued=queued, skipped=skipped)
 
     def _validate(
@@ -115,7 +115,7 @@ class BatchJobs:
         try:
             listed = await self.deduper.store.list_batch(tenant, batch_id)
         except StoreUnavailable as exc:
-            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+            raise store_down(exc) from None
         if not listed:
             raise not_found(f"batch {batch_id!r} is unknown or expired")
         return [item_status(item.seq_id, item.record) for item in listed]

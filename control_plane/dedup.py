@@ -19,7 +19,7 @@ import grpc
 from control_plane.admission import build_spec
 from control_plane.config import Settings
 from control_plane.dispatcher import Dispatcher, GenerationSpec
-from control_plane.errors import ApiError, invalid, not_found, unavailable
+from control_plane.errors import ApiError, invalid, not_found, store_down
 from control_plane.generation import Generation, View
 from control_plane.observer import Observer
 from control_plane.replication import Replicator, apply_slice, parse_finish
@@ -96,10 +96,6 @@ class Deduper(Observer):
         d = self.d
         assert d.tokenizer is not None and d.limits is not None
         spec = build_spec(request, tenant, d.tokenizer, d.limits, self.settings, traceparent=traceparent, prefix=prefix)
-        if spec.request_id in d.views:
-            raise ApiError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use", "REQUEST_ID_IN_USE"
-            )
         try:
             if key:
                 if key.startswith(BATCH_KEY_PREFIX):
@@ -110,9 +106,11 @@ class Deduper(Observer):
             if self.settings.dedup_fail_open:
                 log.warning("store down, serving without dedup (fail-open): %s", exc)
                 return d.submit(spec)
-            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+            raise store_down(exc) from None
 
     async def _unkeyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> View:
+        if spec.request_id in self.d.views:  # keyed requests leave this to the store (a retry keeps its id)
+            raise id_in_use(spec.request_id)
         leader = self._leader(spec, request)
         if leader is not None:
             self.report("content", "coalesced", spec.request_id)
@@ -149,9 +147,7 @@ class Deduper(Observer):
             log.warning("request %s runs unindexed, the store is down: %s", spec.request_id, exc)
             return False
         if taken:
-            raise ApiError(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {spec.request_id!r} is already in use", "REQUEST_ID_IN_USE"
-            )
+            raise id_in_use(spec.request_id)
         return True
 
     async def _keyed(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest, key: str) -> View:
@@ -205,11 +201,7 @@ class Deduper(Observer):
                     "IDEMPOTENCY_KEY_REUSED",
                 )
             case _:
-                raise ApiError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"request_id {spec.request_id!r} is already in use",
-                    "REQUEST_ID_IN_USE",
-                )
+                raise id_in_use(spec.request_id)
 
     async def _attach(self, record: Record, tenant: str) -> View:
         """Read the running request from offset 0: locally when it runs here, else from its log."""
@@ -267,7 +259,7 @@ class Deduper(Observer):
                     return replay_view(record, tenant)
             return await self._mirror(request_id, tenant, info.key)
         except StoreUnavailable as exc:
-            raise unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE") from None
+            raise store_down(exc) from None
 
     async def _mirror(self, request_id: str, tenant: str, key: str) -> View:
         """A local view of another replica's generation, fed from its token log; takes it over when the
@@ -364,3 +356,7 @@ def stored_error(text: str) -> ApiError:
     name, _, message = text.partition(": ")
     code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
     return ApiError(code, message or text, "REPLAYED_ERROR")
+
+
+def id_in_use(request_id: str) -> ApiError:
+    return ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "REQUEST_ID_IN_USE")

@@ -81,3 +81,8 @@ def exhausted(message: str, retry_after_s: float, reason: str = "QUEUE_FULL") ->
 
 def unavailable(message: str, reason: str = "UNAVAILABLE", retry_after_s: float | None = 1.0) -> ApiError:
     return ApiError(grpc.StatusCode.UNAVAILABLE, message, reason, retry_after_s=retry_after_s)
+
+
+def store_down(exc: Exception) -> ApiError:
+    """UNAVAILABLE for a dedup store that cannot be reached: retry later, never a silent duplicate."""
+    return unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE")

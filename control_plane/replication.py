@@ -73,7 +73,8 @@ class Replicator:
         self._tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._heartbeat())]
 
     async def stop(self) -> None:
-        await self.flush()
+        with contextlib.suppress(StoreUnavailable):
+            await self.flush()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
