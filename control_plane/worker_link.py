@@ -109,21 +109,32 @@ class WorkerLink:
         assert self.scheduler is not None
         scheduler = self.scheduler
         call = stub.Step()
-        step_id = 0
+        step_id, sent = 0, 0.0
+        plan: StepPlan | None = None
         try:
             while not self._stopping:
-                plan = scheduler.schedule()
                 if plan is None:
-                    await self._idle(scheduler)
-                    continue
-                step_id += 1
-                began = time.perf_counter()
-                await call.write(plan.to_request(step_id))
+                    plan = scheduler.schedule()
+                    if plan is None:
+                        await self._idle(scheduler)
+                        continue
+                    step_id, sent = step_id + 1, time.perf_counter()
+                    await call.write(plan.to_request(step_id))
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise WorkerLost(f"worker {self.address} ended the step stream")
                 events = scheduler.complete(plan, {t.seq_id: t.token.token_id for t in resp.tokens})
-                self.on_step(self, plan, events, resp, time.perf_counter() - began)
+                # Send the next step before handling this one's tokens, so text, fan-out and telemetry
+                # overlap the worker's forward pass (a stop string then ends its sequence one step later).
+                done, plan = plan, scheduler.schedule()
+                now = time.perf_counter()
+                loop_s, sent = now - sent, now
+                try:
+                    if plan is not None:
+                        step_id += 1
+                        await call.write(plan.to_request(step_id))
+                finally:  # even when the worker is gone: these tokens were computed and must reach readers
+                    self.on_step(self, done, events, resp, loop_s)
         finally:
             call.cancel()
 

@@ -120,7 +120,10 @@ def test_worker_step_spans_link_to_the_request(served: Served) -> None:
             s for s in spans if s.name == "worker.step" and any(lk.trace_id.hex() == trace_id for lk in s.span.links)
         ]
 
-    spans = served.receiver.wait_for(lambda got: len(linked(got)) >= 2 and bool(_in_trace(got, trace_id)))
+    def ready(got: list[Received]) -> bool:  # the server span ends last: wait for it, not just any span
+        return len(linked(got)) >= 2 and any(s.name == GENERATE for s in _in_trace(got, trace_id))
+
+    spans = served.receiver.wait_for(ready)
     server = next(s for s in _in_trace(spans, trace_id) if s.name == GENERATE)
     steps = linked(spans)
     assert {s.service for s in steps} == {"coalesce-worker"}
