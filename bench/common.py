@@ -41,14 +41,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(model: str | None, max_batch: int, metrics_port: int) -> Iterator[str]:
+def serve(model: str | None, max_batch: int, metrics_port: int, env: dict[str, str] | None = None) -> Iterator[str]:
     """`coalesce serve --port 0` as a child process; yields its address, stops it with Ctrl-C (SIGINT),
     which drains in-flight requests and stops the workers."""
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", "0", "--metrics-port", str(metrics_port)]
     cmd += ["--model", model] if model else []
     # The interactive pool runs 8 sequences by default (latency first); the bench asks for batches of 32.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(max_batch)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(max_batch)}
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     found, address = threading.Event(), []
 

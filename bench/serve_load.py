@@ -25,6 +25,9 @@ arrival; its tokens count only up to its own max_tokens (padding and the batch's
 Control-plane overhead: the server's Prometheus counters are scraped around each Coalesce run;
 overhead = 1 - d(coalesce_step_forward_seconds_total) / d(coalesce_step_loop_seconds_total).
 
+Tracing cost: the closed loop runs again on fresh servers with tracing off and on (OTLP export to a local
+receiver that counts spans), alternating off/on/off/on so drift hits both alike.
+
     .venv/bin/python bench/serve_load.py [--quick] [--requests N] [--rate R] [--model DIR] [--out FILE.md]
 """
 
@@ -53,6 +56,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench.common import free_port, overhead, percentile, scrape, serve  # noqa: E402
+from bench.tracing_sink import otlp_sink  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
 from worker.builtin import BUILTIN_CONFIG, random_state  # noqa: E402
@@ -182,6 +186,29 @@ def run_coalesce(args: argparse.Namespace, work: list[Request]) -> tuple[list[Ro
             rows.append(coalesce_row(name, asyncio.run(run()), port, before))
             print(f"  {name}: {rows[-1].tok_s:,.0f} tok/s", file=sys.stderr)
         return rows, scrape(port) is not None
+
+
+def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
+    """Closed-loop tok/s with tracing off vs on (exported over OTLP to a local receiver)."""
+    with otlp_sink() as (endpoint, sink):
+        tracing_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        results: dict[str, list[float]] = {"off": [], "on": []}
+        for label in ("off", "on") * (1 if args.quick else 2):
+            with serve(args.model, args.concurrency, free_port(), tracing_on if label == "on" else {}) as address:
+                asyncio.run(run_closed(address, work[: min(8, len(work))], 8))  # warm-up
+                timings = asyncio.run(run_closed(address, work, args.concurrency))
+                span = max(t.finish for t in timings) - min(t.sent for t in timings)
+                results[label].append(sum(t.tokens for t in timings) / span)
+            print(f"  tracing {label}: {results[label][-1]:,.0f} tok/s", file=sys.stderr)
+    off, on = (sum(results[k]) / len(results[k]) for k in ("off", "on"))
+    runs = ", ".join(f"{x:,.0f}" for x in results["off"]), ", ".join(f"{x:,.0f}" for x in results["on"])
+    return [
+        f"| tracing (closed loop x{args.concurrency}) | tok/s (runs) | mean tok/s |",
+        "|---|---:|---:|",
+        f"| off | {runs[0]} | {off:,.0f} |",
+        f"| on, OTLP export ({sink.spans:,} spans received) | {runs[1]} | {on:,.0f} |",
+        f"| on / off | | {on / off:.3f}x |",
+    ]
 
 
 # --- transformers static batching ---------------------------------------------------------------------
@@ -339,6 +366,8 @@ def main() -> None:
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     print(f"workload: {len(work)} requests, {tokens} tokens to generate; running Coalesce...", file=sys.stderr)
     rows, metrics_up = run_coalesce(args, work)
+    print("comparing tracing off and on...", file=sys.stderr)
+    tracing = run_tracing(args, work)
     print("running transformers static batching...", file=sys.stderr)
     rows.append(run_static(load_hf(args.model), work, args.concurrency))
 
@@ -356,6 +385,8 @@ def main() -> None:
         *table(rows),
         "",
         *targets(*rows),
+        "",
+        *tracing,
         "",
     ]
     if not metrics_up:

@@ -1,7 +1,7 @@
 """The control plane's core: admits sequences onto worker links, turns sampled tokens into text and
 fans them out, cancels, recovers from lost workers, and forgets generations after the resume window.
 
-Everything here runs on the event loop thread; the step loop calls `_on_events` synchronously.
+Everything here runs on the event loop thread; each worker link calls `_on_step` synchronously.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ def test_quick_run_prints_the_tables(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "bench" / "serve_load.py"), "--quick", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for header in ("| system | tok/s | TTFT p50 |", "| target | measured | goal | result |"):
+    for header in ("| system | tok/s | TTFT p50 |", "| target | measured | goal | result |", "| tracing (closed loop"):
         assert header in proc.stdout
     for row in ("Coalesce, Poisson", "Coalesce, closed loop x32", "Coalesce, one at a time", "transformers static"):
         assert row in proc.stdout
     # Either a measured overhead or the line saying the metrics endpoint is not there yet.
     assert "control-plane overhead" in proc.stdout
+    assert "| on / off |" in proc.stdout and " 0 spans received" not in proc.stdout  # tracing really exported
     assert out.read_text().strip() == proc.stdout.strip()
