@@ -152,8 +152,8 @@ class BlockManager:
         return copies
 
     def slots_needed(self, seq: Sequence, n: int) -> int:
-        """Fresh blocks `seq` needs to write `n` more tokens after its computed ones."""
-        return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))
+        """Fresh blocks `seq` needs to write `n` more tokens after its scheduled ones (steps in flight included)."""
+        return max(0, -(-(seq.num_scheduled + n) // self.block_size) - len(seq.block_table))
 
     def append(self, seq: Sequence) -> int:
         """Append one fresh block to `seq`'s table (a decode crossed a block boundary)."""

@@ -8,10 +8,20 @@ Pure and synchronous: the caller owns I/O and time (the clock is injected). The 
 
 with exactly one `complete` per plan, in order (a lost worker: `requeue_all` instead).
 
+Lookahead: up to MAX_INFLIGHT plans may be scheduled before the first is completed, so the worker (which runs
+its stream strictly in order) starts step N+1 the moment step N is done while the caller completes N. Each
+sequence tracks what is planned but not completed (`num_scheduled`, `pending`), so N+1 gets the right
+positions, block slots and budget: a sequence sampling in N decodes in N+1 (the worker feeds the token it
+sampled in N), unless N's token is its last by max_tokens or context. If N's token ends it otherwise (EOS,
+stop token, a stop string or cancel), N+1's token is wasted: its result is dropped, like every result for a
+sequence that finished, was preempted or lost its worker meanwhile (`Work.current`). Prefix-cache hashes are
+still published only at `complete`, once the KV is written.
+
 Releases: a sequence the worker knows is released exactly once, in the `release` list of a plan, when it
 finishes, is aborted or is preempted. A preempted sequence keeps its seq id: it is released in the plan
 that preempts it and sent again (first sight, full re-prefill of prompt + outputs) only in a later plan,
-so a release and a re-add of one id never share a request.
+so a release and a re-add of one id never share a request. A release goes into the next plan scheduled,
+which the worker runs after every plan already sent: never before the last step that mentions the id.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from control_plane.block_manager import BlockManager
 from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
 from control_plane.step_plan import StepPlan, StepState, Work, chunk, pick_victim
+
+MAX_INFLIGHT = 2  # plans scheduled and not yet completed: the one running and the one queued behind it
 
 
 class TooLarge(ValueError):
@@ -65,7 +77,7 @@ class Scheduler:
         self.running: dict[str, list[Sequence]] = {p: [] for p in POOLS}  # admission order, oldest first
         self.seqs: dict[int, Sequence] = {}  # waiting and running
         self._release: list[int] = []  # released by finish/abort since the last plan
-        self._inflight: StepPlan | None = None
+        self._inflight: deque[StepPlan] = deque()  # scheduled, not yet completed, oldest first
         self._epoch = 0  # bumped by requeue_all: plans of the lost worker are ignored
         self._run_s = 1.0  # moving average of admission-to-finish time, for QueueFull retry hints
 
@@ -107,7 +119,7 @@ class Scheduler:
     def requeue_all(self) -> list[Sequence]:
         """The worker was lost: running sequences go back to the front of their queues, the cache is gone."""
         self._epoch += 1
-        self._inflight = None
+        self._inflight.clear()  # their results, if any arrive, are ignored
         self._release.clear()  # a new session starts with no sequences
         requeued = []
         for p in POOLS:
@@ -124,7 +136,12 @@ class Scheduler:
 
     # -- state
     def has_work(self) -> bool:
-        return bool(self.seqs or self._release)
+        """Something to schedule, release or complete."""
+        return bool(self.seqs or self._release or self._inflight)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
 
     def stats(self) -> Stats:
         running = {p: len(self.running[p]) for p in POOLS}
@@ -166,8 +183,8 @@ class Scheduler:
     # -- one step
     def schedule(self) -> StepPlan | None:
         """Plan the next step; None when there is nothing to send (no work, no release)."""
-        if self._inflight is not None:
-            raise RuntimeError("complete() the previous plan before scheduling another")
+        if len(self._inflight) >= MAX_INFLIGHT:
+            raise RuntimeError(f"complete() a plan first: {MAX_INFLIGHT} are in flight")
         now = self.clock()
         plan = StepPlan(self._epoch, release=self._release)
         self._release = []
@@ -179,15 +196,18 @@ class Scheduler:
         for seq in order:
             if not seq.decoding and seq.status is Status.RUNNING:
                 self._prefill(
-                    seq, plan, step, chunk(seq.num_tokens - seq.num_computed, step, self.settings.prefill_ratio)
+                    seq, plan, step, chunk(seq.num_tokens - seq.num_scheduled, step, self.settings.prefill_ratio)
                 )
         self._admit(plan, step, now)
         if not plan.works and not plan.release:
             return None
-        self._inflight = plan
+        self._inflight.append(plan)
         return plan
 
     def _decode(self, seq: Sequence, plan: StepPlan, step: StepState, order: list[Sequence]) -> None:
+        if not seq.can_sample_more(self.max_context):
+            step.done.add(seq.seq_id)  # its in-flight token is its last: it ends then, don't preempt it now
+            return
         if step.budget < 1:
             return  # more running sequences than step tokens: the rest wait a step
         step.done.add(seq.seq_id)
@@ -199,9 +219,10 @@ class Scheduler:
                 if victim is None:
                     return
             new.append(self.bm.append(seq))
-        plan.works.append(Work(seq, [], seq.num_computed, new, first=False, sample=True))
+        plan.works.append(Work(seq, [], seq.num_scheduled, new, first=False, sample=True))
+        seq.num_scheduled += 1
+        seq.pending += 1
         step.budget -= 1
-        self._hash(seq, plan, 1)
 
     def _preempt(self, seq: Sequence, plan: StepPlan, step: StepState) -> None:
         """Free `seq`'s blocks and requeue it at the front of its queue for a full recompute."""
@@ -218,7 +239,8 @@ class Scheduler:
     def _reset(self, seq: Sequence) -> None:
         self.bm.free(seq)
         seq.status = Status.WAITING
-        seq.num_computed = 0
+        seq.num_computed = seq.num_scheduled = seq.pending = 0
+        seq.incarnation += 1  # results of its steps still in flight are stale
         seq.hashes = []
         seq.decoding = False
 
@@ -229,23 +251,15 @@ class Scheduler:
         step.done.add(seq.seq_id)
         if n <= 0:
             return
-        start = seq.num_computed
-        end = start + n
-        first = new is not None
-        plan.works.append(Work(seq, seq.tokens()[start:end], start, new or [], first, end == seq.num_tokens))
+        start = seq.num_scheduled
+        end = seq.num_scheduled = start + n
+        sample = end == seq.num_tokens  # the last chunk: sample, and decode from the next step on
+        plan.works.append(Work(seq, seq.tokens()[start:end], start, new or [], new is not None, sample))
+        if sample:
+            seq.pending += 1
+            seq.decoding = True
         step.budget -= n
         step.lengths.append(n)
-        self._hash(seq, plan, n)
-
-    def _hash(self, seq: Sequence, plan: StepPlan, n: int) -> None:
-        """Queue the hashes of blocks this step fills, to be published when it completes."""
-        full = (seq.num_computed + n) // self.block_size
-        start = len(seq.hashes)
-        if full > start:
-            tokens = seq.tokens()[: full * self.block_size]
-            parent = seq.hashes[-1] if seq.hashes else None
-            for i, h in enumerate(self.bm.hash_blocks(tokens, seq.tenant, start, parent), start):
-                plan.publish.append((seq, i, h))
 
     def _admit(self, plan: StepPlan, step: StepState, now: float) -> None:
         """Admit waiting sequences, interactive first, FIFO per pool, within budget, max_batch and quota."""
@@ -274,7 +288,7 @@ class Scheduler:
                 del queue[i]
                 self._start(seq, hit.tokens, now, plan)
                 plan.copies += self.bm.allocate(seq, hit, total)
-                seq.num_computed = hit.tokens
+                seq.num_computed = seq.num_scheduled = hit.tokens
                 self._prefill(seq, plan, step, n, new=list(seq.block_table))
 
     def _start(self, seq: Sequence, cached: int, now: float, plan: StepPlan) -> None:
@@ -289,35 +303,45 @@ class Scheduler:
 
     # -- results
     def complete(self, plan: StepPlan, sampled: dict[int, int]) -> list[SeqEvent]:
-        """Apply a finished step: publish computed blocks, append sampled tokens, finish ended sequences.
+        """Apply the oldest step in flight: publish computed blocks, append sampled tokens, finish ended sequences.
 
-        Plans from before a `requeue_all` are ignored. Raises ValueError when a sampling sequence has no token.
+        Plans from before a `requeue_all` are ignored. Raises ValueError when a sampling sequence has no token,
+        RuntimeError when plans are completed out of order.
         """
-        if plan is not self._inflight or plan.epoch != self._epoch:
-            return []
-        self._inflight = None
-        for seq, i, h in plan.publish:
-            if seq.status is Status.RUNNING and len(seq.hashes) == i:  # not aborted while in flight
-                self.bm.publish(seq.block_table[i], h)
-                seq.hashes.append(h)
+        if plan.epoch != self._epoch or not any(p is plan for p in self._inflight):
+            return []  # from a lost worker's session, or already completed
+        if plan is not self._inflight[0]:
+            raise RuntimeError("plans must be completed in the order they were scheduled")
+        self._inflight.popleft()
         events = []
         for w in plan.works:
             seq = w.seq
-            if seq.status is not Status.RUNNING:
-                continue  # aborted or finished while the step ran; its release is already queued
+            if not w.current:
+                continue  # finished, aborted or preempted since it was planned: drop the result (a release is queued)
             seq.num_computed += w.num_tokens
+            self._publish(seq)
             if not w.sample:
                 continue
+            seq.pending -= 1
             token = sampled.get(seq.seq_id)
             if token is None:
                 raise ValueError(f"the worker sampled no token for seq {seq.seq_id}")
-            seq.decoding = True
             seq.output_ids.append(token)
             reason = seq.stop_reason(token, self.max_context)
             if reason is not None:
                 self._end(seq, reason)
             events.append(SeqEvent(seq, token, reason))
         return events
+
+    def _publish(self, seq: Sequence) -> None:
+        """Index the full blocks whose KV completed steps have written (a hit never maps unwritten KV)."""
+        full, start = seq.num_computed // self.block_size, len(seq.hashes)
+        if full > start:
+            tokens = seq.tokens()[: full * self.block_size]
+            parent = seq.hashes[-1] if seq.hashes else None
+            for i, h in enumerate(self.bm.hash_blocks(tokens, seq.tenant, start, parent), start):
+                self.bm.publish(seq.block_table[i], h)
+                seq.hashes.append(h)
 
     def _end(self, seq: Sequence, reason: str) -> None:
         if seq.status is Status.RUNNING:

@@ -4,8 +4,12 @@ A sequence is WAITING (in its pool's queue), RUNNING (holds KV blocks on its wor
 tokens are `prompt_ids + output_ids`; on recompute after a preemption all of them are prefilled again and
 the next sampled token continues `output_ids` (`max_tokens` counts outputs only).
 
-KV bookkeeping: `num_computed` tokens are in the worker's KV cache. While decoding, the last sampled token
-is not yet in KV (the worker feeds it on the next step), so `num_computed == num_tokens - 1`.
+KV bookkeeping: `num_computed` tokens are in the worker's KV cache as of the last completed step. The
+scheduler plans one step ahead (a step may be planned while the previous one still runs), so it also
+tracks what is scheduled but not yet completed: `num_scheduled` tokens will be in KV once every planned
+step has run, and `pending` of those steps sample a token for it. With nothing in flight,
+`num_scheduled == num_computed` and `pending == 0`; while decoding, the last sampled token is not yet in KV
+(the worker feeds it on the next step), so `num_scheduled == num_tokens + pending - 1`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0
+    num_scheduled: int = 0
+    pending: int = 0  # planned steps, not yet completed, that sample a token for this sequence
+    # Bumped whenever the sequence loses its KV (preemption, worker loss): results of steps planned for an
+    # older incarnation are stale and ignored, so a recomputed sequence never receives an old token.
+    incarnation: int = 0
     block_table: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks whose KV is computed (published or hit), one per block from 0.
     hashes: list[int] = field(default_factory=list)
@@ -49,7 +58,8 @@ class Sequence:
     cached_prompt_tokens: int = 0
     first_scheduled_at: float | None = None
     finish_reason: str | None = None
-    # The prompt (+ recomputed outputs) is in KV and the worker holds a sampled token to feed next.
+    # The prompt (+ recomputed outputs) is scheduled into KV and, once the planned steps have run, the worker
+    # holds a sampled token to feed next: the next work is a decode.
     decoding: bool = False
     # The worker knows this id (sent since the last release): a release must follow before it is forgotten.
     on_worker: bool = False
@@ -68,6 +78,11 @@ class Sequence:
     def dwell(self) -> float | None:
         """Batch-buffer dwell: from arrival to first admission (None while never scheduled)."""
         return None if self.first_scheduled_at is None else self.first_scheduled_at - self.arrival
+
+    def can_sample_more(self, max_context: int) -> bool:
+        """Whether another token may be planned now: one that follows the `pending` tokens being sampled
+        could still be generated within max_tokens and the context (else the sequence ends at the last one)."""
+        return len(self.output_ids) + self.pending < self.max_tokens and self.num_tokens + self.pending < max_context
 
     def stop_reason(self, token: int, max_context: int) -> str | None:
         """Why the sequence ends after `token` was appended, or None to go on."""

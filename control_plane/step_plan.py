@@ -18,17 +18,26 @@ class Work:
     new_blocks: list[int]
     first: bool  # first sight on the worker: send the sampling params
     sample: bool
+    # The sequence's incarnation when planned: its result is stale if the sequence lost its KV meanwhile.
+    incarnation: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.incarnation = self.seq.incarnation
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) or 1
+
+    @property
+    def current(self) -> bool:
+        """The sequence still runs in the incarnation this work was planned for (else: drop the result)."""
+        return self.seq.status is Status.RUNNING and self.seq.incarnation == self.incarnation
 
 
 @dataclass(slots=True)
 class StepPlan:
     """One step. The worker applies `release` first, then `copies`, then runs `works`.
 
-    `publish` lists (seq, block index, hash) of full blocks this step computes; `complete` indexes them.
     `admitted` lists sequences scheduled for the first time (their dwell is now known); `preempted` those
     this step preempted for recompute.
     """
@@ -37,7 +46,6 @@ class StepPlan:
     release: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     works: list[Work] = field(default_factory=list)
-    publish: list[tuple[Sequence, int, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 

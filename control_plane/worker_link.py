@@ -1,8 +1,11 @@
 """One worker: its Info, its Scheduler, and the Step stream that runs the scheduler's plans on it.
 
-The loop is strictly one step in flight: schedule, send, read the result, complete. A lost worker (the
-stream breaks, the process died) hands every sequence back to the dispatcher for recompute and the link
-reconnects with backoff; a restarted worker starts a fresh session (DESIGN §3).
+The loop keeps up to two steps in flight (the scheduler's lookahead): while the worker runs step N, step N+1
+is already queued on the stream, so the worker starts it the moment N is done, and the round trip and the
+control plane's work for N (complete, schedule N+2, text, fan-out) overlap N+1's forward pass. Results are
+read and completed in order. A lost worker (the stream breaks, the process died) hands every sequence back
+to the dispatcher for recompute (the steps in flight are discarded) and the link reconnects with backoff;
+a restarted worker starts a fresh session (DESIGN §3).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from control_plane.config import Settings
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import MAX_INFLIGHT, Scheduler
 from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
@@ -40,7 +44,9 @@ class WorkerLost(Exception):
 class WorkerLink:
     address: str
     settings: Settings
-    # Called synchronously after each step (no awaits on the hot path): (link, plan, events, response, loop_s).
+    # Called synchronously after each step (no awaits on the hot path): (link, plan, events, response, loop_s);
+    # loop_s is the wall time between this step's completion and the previous one's (or its send, when the
+    # worker was idle before it): the time per step as the control plane sees it.
     on_step: Callable[[WorkerLink, StepPlan, list[SeqEvent], worker_pb2.StepResponse, float], None]
     # Called when the worker was lost (its sequences are requeued for recompute in this link's scheduler),
     # with the number requeued, and True when the scheduler was replaced so everything must be resubmitted.
@@ -109,30 +115,44 @@ class WorkerLink:
         assert self.scheduler is not None
         scheduler = self.scheduler
         call = stub.Step()
-        step_id, sent = 0, 0.0
-        plan: StepPlan | None = None
+        inflight: deque[StepPlan] = deque()  # written, response not read yet; oldest first
+        step_id, last = 0, 0.0
+
+        async def send(plan: StepPlan) -> None:
+            nonlocal step_id
+            step_id += 1
+            inflight.append(plan)
+            await call.write(plan.to_request(step_id))
+
+        async def top_up() -> None:
+            """Plan and send the next step while one is in flight (the lookahead)."""
+            if len(inflight) < MAX_INFLIGHT:
+                plan = scheduler.schedule()
+                if plan is not None:
+                    await send(plan)
+
         try:
             while not self._stopping:
-                if plan is None:
+                if not inflight:
                     plan = scheduler.schedule()
                     if plan is None:
                         await self._idle(scheduler)
                         continue
-                    step_id, sent = step_id + 1, time.perf_counter()
-                    await call.write(plan.to_request(step_id))
+                    last = time.perf_counter()  # the worker was idle: this step's time starts now
+                    await send(plan)
+                await top_up()  # work that arrived (or was freed) since the last completion
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise WorkerLost(f"worker {self.address} ended the step stream")
-                events = scheduler.complete(plan, {t.seq_id: t.token.token_id for t in resp.tokens})
-                # Send the next step before handling this one's tokens, so text, fan-out and telemetry
-                # overlap the worker's forward pass (a stop string then ends its sequence one step later).
-                done, plan = plan, scheduler.schedule()
+                done = inflight.popleft()
+                events = scheduler.complete(done, {t.seq_id: t.token.token_id for t in resp.tokens})
                 now = time.perf_counter()
-                loop_s, sent = now - sent, now
+                loop_s, last = now - last, now
                 try:
-                    if plan is not None:
-                        step_id += 1
-                        await call.write(plan.to_request(step_id))
+                    # Keep the worker fed before handling this step's tokens, so text, fan-out and telemetry
+                    # overlap its forward passes (a stop string found here wastes the worker's next two tokens
+                    # of that sequence: the scheduler drops them and releases it after them).
+                    await top_up()
                 finally:  # even when the worker is gone: these tokens were computed and must reach readers
                     self.on_step(self, done, events, resp, loop_s)
         finally:

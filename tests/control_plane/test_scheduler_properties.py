@@ -1,12 +1,21 @@
 """Property tests of the scheduler + block manager against a fake worker that checks the step protocol
 and simulates KV contents (each slot holds the token id written there), so a prefix hit on KV that was
-never written, a bad copy-on-write or a block written by two sequences shows up as a wrong token."""
+never written, a bad copy-on-write or a block written by two sequences shows up as a wrong token.
+
+The fake worker runs a queue of up to `depth` plans strictly in order, as the real one runs its stream, with
+the scheduler's lookahead (depth 2) or without it (depth 1). Its "model" samples a deterministic function of
+the tokens it attends to, so every sequence's outputs must equal those of the same model generating alone
+(`expected`): a stale token (from a step planned before a preemption, an abort or a finish), a wrong
+position or a lost token all show up as a different output.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import random
-from collections import Counter
+import zlib
+from array import array
+from collections import Counter, deque
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -15,9 +24,26 @@ from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.scheduler import QueueFull, Scheduler
 from control_plane.sequence import POOLS, Sequence, Status
 from control_plane.step_plan import StepPlan
+from protos.coalesce.v1 import worker_pb2
 
 EOS = 0
 VOCAB = 6  # tiny vocabulary: prompts share prefixes often
+
+
+def model(tokens: list[int]) -> int:
+    """The simulated model: the next token is a deterministic function of the whole sequence so far."""
+    return zlib.crc32(array("q", tokens).tobytes()) % VOCAB
+
+
+def expected(seq: Sequence, max_context: int) -> list[int]:
+    """The outputs of `seq` generated alone, one token per step, with no lookahead."""
+    out: list[int] = []
+    while True:
+        out.append(model(seq.prompt_ids + out))
+        if (out[-1] == EOS and not seq.ignore_eos) or len(out) >= seq.max_tokens:
+            return out
+        if len(seq.prompt_ids) + len(out) >= max_context:
+            return out
 
 
 class Clock:
@@ -37,10 +63,9 @@ class FakeWorker:
         self.seqs: dict[int, dict] = {}  # seq_id -> table, cached, next
         self.released: Counter[int] = Counter()
 
-    def step(self, plan: StepPlan, step_id: int, rng: random.Random) -> dict[int, int]:
-        req = plan.to_request(step_id)
-        truth = {w.seq.seq_id: w.seq.tokens() for w in plan.works}
-        for sid in req.release:
+    def step(self, req: worker_pb2.StepRequest, truth: dict[int, list[int]]) -> dict[int, int]:
+        """Run one request; `truth` is each listed sequence's tokens as the scheduler knew them when planning."""
+        for sid in req.release:  # exactly once: a second release, or one of a never-sent id, is unknown here
             assert sid in self.seqs, f"release of seq {sid} the worker does not know"
             del self.seqs[sid]
             self.released[sid] += 1
@@ -50,31 +75,35 @@ class FakeWorker:
         for w in req.seqs:
             state = self.seqs.get(w.seq_id)
             tokens = list(w.token_ids)
-            if state is None:
+            if state is None:  # a step for an id released before it would land here and fail
                 assert w.HasField("sampling") and tokens, "first sight needs sampling and tokens"
-                state = self.seqs[w.seq_id] = {"table": [], "cached": w.start_position, "next": None}
+                # Positions below start_position are a prefix hit: they must hold the sequence's tokens.
+                known = truth[w.seq_id][: w.start_position]
+                state = self.seqs[w.seq_id] = {"table": [], "cached": w.start_position, "next": None, "fed": known}
             else:
-                assert w.start_position == state["cached"]
+                assert w.start_position == state["cached"], "start_position != tokens already cached"
                 if not tokens:
                     assert state["next"] is not None, "decode without a sampled token"
                     tokens = [state["next"]]
             state["table"] += list(w.new_blocks)
             start, end = w.start_position, w.start_position + len(tokens)
             assert end <= self.max_context and len(state["table"]) * self.bs >= end
-            assert tokens == truth[w.seq_id][start:end], "fed tokens are not the sequence's"
+            if w.token_ids:  # a prefill chunk: the scheduler knew these tokens when planning
+                assert tokens == truth[w.seq_id][start:end], "fed tokens are not the sequence's"
+            state["fed"] = state["fed"][:start] + tokens
             fed.append((w, state, start, end, tokens))
         for _, state, start, end, tokens in fed:  # K/V of the whole step is written before attention
             for p, t in zip(range(start, end), tokens, strict=True):
                 self.kv[state["table"][p // self.bs]][p % self.bs] = t
         out = {}
         for w, state, _, end, _ in fed:
-            seq_truth = truth[w.seq_id]
-            for p in range(end):  # attention reads every position up to the last fed one
-                assert self.kv[state["table"][p // self.bs]][p % self.bs] == seq_truth[p], f"bad KV at {p}"
+            # Attention reads every position up to the last fed one: they must hold what this sequence was fed.
+            seen = [self.kv[state["table"][p // self.bs]][p % self.bs] for p in range(end)]
+            assert seen == state["fed"], "bad KV"
             state["cached"] = end
             state["next"] = None
             if w.sample:
-                state["next"] = out[w.seq_id] = rng.randrange(VOCAB)
+                state["next"] = out[w.seq_id] = model(seen)
         return out
 
 
@@ -95,6 +124,9 @@ def check(s: Scheduler, plan: StepPlan | None = None) -> None:
         assert len(s.running[p]) <= s.pools[p].max_batch
         assert all(q.status is Status.RUNNING for q in s.running[p])
         assert all(q.status is Status.WAITING for q in s.waiting[p])
+        for q in s.running[p]:  # planned-but-not-completed work exists only while plans are in flight
+            assert q.num_computed <= q.num_scheduled <= q.num_tokens + q.pending
+            assert q.pending <= s.inflight and (s.inflight or q.num_scheduled == q.num_computed)
     if plan is not None:
         assert plan.num_tokens <= s.settings.max_step_tokens
         lengths = [len(w.token_ids) for w in plan.works if w.token_ids]
@@ -118,7 +150,7 @@ op = st.one_of(
     ADD,
     ADD,
     st.tuples(st.just("dup"), st.integers(0, 50), st.booleans()),  # re-send an earlier prompt (block-aligned?)
-    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("step"), st.integers(1, 4), st.booleans()),  # refill the worker's queue after?
     st.tuples(st.just("tick"), st.integers(1, 400)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("finish"), st.integers(0, 50)),
@@ -135,9 +167,10 @@ op = st.one_of(
     ratio=st.sampled_from([1.0, 2.0, 4.0]),
     shares=st.sampled_from([(0.4, 0.6), (0.5, 0.5), (0.7, 0.7)]),
     seed=st.integers(0, 2**16),
+    depth=st.sampled_from([1, 2]),  # plans in flight: without or with the lookahead
 )
 def test_random_load_keeps_invariants_and_drains(
-    ops: list[tuple], num_blocks: int, block_size: int, budget: int, ratio: float, shares: tuple, seed: int
+    ops: list[tuple], num_blocks: int, block_size: int, budget: int, ratio: float, shares: tuple, seed: int, depth: int
 ) -> None:
     rng = random.Random(seed)
     clock = Clock()
@@ -157,20 +190,45 @@ def test_random_load_keeps_invariants_and_drains(
     worker = FakeWorker(num_blocks, block_size, max_context)
     families = [[rng.randrange(VOCAB) for _ in range(70)] for _ in range(3)]
     seqs: list[Sequence] = []
-    step_id = copies = 0
+    step_id = copies = dropped = 0
 
-    def run_step() -> bool:
-        nonlocal step_id, worker, copies
-        plan = s.schedule()
-        check(s, plan)
-        if plan is None:
+    # The worker's queue: (plan, its request, tokens of its sequences when planned, releases planned by then).
+    queue: deque[tuple[StepPlan, worker_pb2.StepRequest, dict[int, list[int]], dict[int, int]]] = deque()
+    releases: Counter[int] = Counter()  # releases planned (not yet run) per seq id
+
+    def fill() -> None:
+        """Plan steps while fewer than `depth` are in flight, each serialized when planned (as the link does)."""
+        nonlocal step_id
+        while len(queue) < depth:
+            plan = s.schedule()
+            check(s, plan)
+            if plan is None:
+                return
+            step_id += 1
+            releases.update(plan.release)
+            truth = {w.seq.seq_id: w.seq.tokens() for w in plan.works}
+            queue.append((plan, plan.to_request(step_id), truth, {sid: releases[sid] for sid in truth}))
+
+    def run_step(refill: bool = True) -> bool:
+        nonlocal copies, dropped
+        fill()
+        if not queue:
             return False
-        step_id += 1
-        sampled = worker.step(plan, step_id, rng)
+        plan, req, truth, planned_releases = queue.popleft()
+        sampled = worker.step(req, truth)
         copies += len(plan.copies)
-        for ev in s.complete(plan, sampled):
-            assert ev.token == ev.seq.output_ids[-1]
+        running = {w.seq.seq_id for w in plan.works if w.seq.status is Status.RUNNING}
+        events = s.complete(plan, sampled)
+        dropped += len(sampled) - len(events)
+        for ev in events:
+            sid = ev.seq.seq_id
+            # No stale token: the sequence ran when completed and was not released (preempted) since planning.
+            assert sid in running and releases[sid] == planned_releases[sid], f"stale token for seq {sid}"
+            assert ev.token == ev.seq.output_ids[-1] == model(ev.seq.tokens()[:-1])
+            assert len(ev.seq.output_ids) <= ev.seq.max_tokens and ev.seq.num_tokens <= max_context
         check(s)
+        if refill:  # leave steps in flight for the next op (an abort, a finish, a loss while they run)
+            fill()
         return True
 
     for o in ops:
@@ -202,7 +260,7 @@ def test_random_load_keeps_invariants_and_drains(
                 seqs.append(seq)
         elif o[0] == "step":
             for _ in range(o[1]):
-                run_step()
+                run_step(o[2])
         elif o[0] == "tick":
             clock.t += o[1] / 1000
         elif o[0] in ("abort", "finish") and seqs:
@@ -211,6 +269,8 @@ def test_random_load_keeps_invariants_and_drains(
         elif o[0] == "lost":
             requeued = s.requeue_all()
             assert all(q.status is Status.WAITING and not q.block_table for q in requeued)
+            while queue:  # the lost worker's steps: their results, should they come, are ignored
+                assert s.complete(queue.popleft()[0], {}) == []
             worker = FakeWorker(num_blocks, block_size, max_context)
             check(s)
 
@@ -226,14 +286,19 @@ def test_random_load_keeps_invariants_and_drains(
     event(f"prefix hits: {s.bm.hits > 0}")
     event(f"copy-on-write: {copies > 0}")
     event(f"steps > 20: {step_id > 20}")
+    event(f"depth {depth}, results dropped: {dropped > 0}")
     assert not worker.seqs, "the worker still holds sequences nobody released"
     assert all(b.ref == 0 for b in s.bm.blocks) and s.bm.num_available == num_blocks
     for q in seqs:
         assert q.status is Status.FINISHED
+        want = expected(q, max_context)
         if q.finish_reason == "length":
             assert len(q.output_ids) == q.max_tokens or q.num_tokens >= max_context
+            assert q.output_ids == want
         elif q.finish_reason == "stop":
             assert q.output_ids[-1] == EOS and not q.ignore_eos and len(q.output_ids) <= q.max_tokens
+            assert q.output_ids == want
         else:
             assert q.finish_reason in ("abort", "stop_string")
+            assert q.output_ids == want[: len(q.output_ids)]  # cut short, never wrong
         assert worker.released[q.seq_id] <= 1 + q.preemptions  # only those sent in the last session
