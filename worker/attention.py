@@ -24,7 +24,7 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [D] their rows in the packed batch
     blocks: torch.Tensor  # [D * B] their block tables, flattened (padding: block 0, masked out)
-    mask: torch.Tensor  # [D, 1, 1, B * block_size] True where the query may attend
+    mask: torch.Tensor  # [D, 1, 1, B * block_size] 0 where the query may attend, -inf elsewhere
 
 
 @dataclass(slots=True)
@@ -44,17 +44,24 @@ class AttentionMetadata:
     prefills: list[Prefill]
 
 
-def _mask(q_pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
-    """[len(q_pos), length] causal mask, limited to the last `window` positions when set (as transformers)."""
+def _mask(q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[len(q_pos), length] causal mask, limited to the last `window` positions when set (as transformers).
+
+    Additive (0 or -inf, in the queries' dtype): CPU SDPA runs it about a third faster than a boolean mask.
+    """
     k_pos = torch.arange(length)[None, :]
-    mask = k_pos <= q_pos[:, None]
+    allowed = k_pos <= q_pos[:, None]
     if window is not None:
-        mask &= k_pos > q_pos[:, None] - window
-    return mask
+        allowed &= k_pos > q_pos[:, None] - window
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
 def build_metadata(
-    batch: PackedBatch, block_size: int, sliding_window: int | None, device: torch.device
+    batch: PackedBatch,
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Slot indices and masks of one step, computed on the CPU and moved to `device` once."""
     offsets = torch.arange(block_size)
@@ -77,7 +84,7 @@ def build_metadata(
         else:
             table = torch.tensor(s.block_table[: -(-end // block_size)])
             slots = (table[:, None] * block_size + offsets).flatten()
-            mask = _mask(torch.arange(s.start, end), len(slots), sliding_window)
+            mask = _mask(torch.arange(s.start, end), len(slots), sliding_window, dtype)
             prefills.append(Prefill(row, s.num_tokens, table.to(device), mask[None, None].to(device)))
             new_slots += slots[s.start : end].tolist()
         row += s.num_tokens
@@ -91,7 +98,7 @@ def build_metadata(
         used = [s.block_table[: s.start // block_size + 1] for s in dec_seqs]
         nblocks = max(len(u) for u in used)
         tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64)
-        mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window)
+        mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
         rows = torch.tensor(dec_rows).to(device)
         decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
     return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefills)

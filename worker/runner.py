@@ -55,7 +55,7 @@ class ModelRunner:
     def forward(self, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits of each sequence's last new token ([num_seqs, vocab], in `batch.seqs` order), or of
         every new token ([T, vocab]) when `all_logits`."""
-        meta = build_metadata(batch, self.block_size, self.loaded.config.sliding_window, self.device)
+        meta = build_metadata(batch, self.block_size, self.loaded.config.sliding_window, self.device, self.dtype)
         model = self.model
         tokens = batch.token_ids.to(self.device, non_blocking=True)
         positions = batch.positions.to(self.device, non_blocking=True)
