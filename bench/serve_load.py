@@ -26,7 +26,7 @@ Control-plane overhead: the server's Prometheus counters are scraped around each
 overhead = 1 - d(coalesce_step_forward_seconds_total) / d(coalesce_step_loop_seconds_total).
 
 Tracing cost: the closed loop runs again on fresh servers with tracing off and on (OTLP export to a local
-receiver that counts spans), alternating off/on/off/on so drift hits both alike.
+receiver that counts spans), alternating off/on three times so drift hits both alike.
 
     .venv/bin/python bench/serve_load.py [--quick] [--requests N] [--rate R] [--model DIR] [--out FILE.md]
 """
@@ -193,7 +193,7 @@ def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
     with otlp_sink() as (endpoint, sink):
         tracing_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
         results: dict[str, list[float]] = {"off": [], "on": []}
-        for label in ("off", "on") * (1 if args.quick else 2):
+        for label in ("off", "on") * (1 if args.quick else 3):
             with serve(args.model, args.concurrency, free_port(), tracing_on if label == "on" else {}) as address:
                 asyncio.run(run_closed(address, work[: min(8, len(work))], 8))  # warm-up
                 timings = asyncio.run(run_closed(address, work, args.concurrency))
