@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 from worker.config import WorkerSettings
 from worker.engine import Engine, StepError
+from worker.pipeline import StepPipeline
 from worker.runner import ModelRunner
 from worker.telemetry import StepSpans
 
@@ -67,19 +68,16 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         try:
             # The engine's lock makes this wait for a step still running from a cancelled session.
             await asyncio.to_thread(engine.reset)
-            async for req in request_iterator:
-                received, started_ns = self.clock(), time.time_ns()
-                try:
-                    resp = await asyncio.to_thread(engine.step, req)
-                except StepError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except Exception as e:  # a model failure: end this session, keep the worker serving
-                    log.exception("step %d failed", req.step_id)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"step {req.step_id} failed: {e!r}")
-                resp.step_ms = (self.clock() - received) * 1000
+            async for done in StepPipeline(engine, self.clock).run(request_iterator):
+                if isinstance(done.error, StepError):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error))
+                if done.error is not None:  # a model failure: end this session, keep the worker serving
+                    log.error("step %d failed", done.request.step_id, exc_info=done.error)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"step {done.request.step_id} failed: {done.error!r}")
+                assert done.response is not None
                 if self.spans is not None:
-                    self.spans.record(req, resp, started_ns)
-                yield resp
+                    self.spans.record(done.request, done.response, done.started_ns)
+                yield done.response
         finally:
             self._session_active = False
 
