@@ -208,7 +208,8 @@ class Deduper(Observer):
         local = self.d.views.get(record.request_id)
         if local is not None:
             local.gen.interest += 1
-            return View(record.request_id, local.gen, COALESCED)
+            # Finished here a moment ago, its SUCCESS not yet written: a replay from memory.
+            return View(record.request_id, local.gen, REPLAYED if local.gen.done else COALESCED)
         mirror = await self._mirror(record.request_id, tenant, record.key)
         mirror.gen.interest += 1
         return View(record.request_id, mirror.gen, COALESCED)
