@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -78,7 +79,7 @@ class _Stream:
         return self._progress.accept(item)
 
 
-class _SessionBase(Generic[G]):
+class _SessionBase(ABC, Generic[G]):
     """Stream ids, messages and routing: the part of a session that does no I/O. Subclasses provide
     `_send` (enqueue one request) and `_open` (register a generation)."""
 
@@ -88,11 +89,11 @@ class _SessionBase(Generic[G]):
         self._ended: CoalesceError | None = None
         self._closing = False
 
-    def _send(self, msg: inference_pb2.SessionRequest) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, msg: inference_pb2.SessionRequest) -> None: ...
 
-    def _open(self, stream_id: str | None, request_id: str | None, offset: int) -> G:
-        raise NotImplementedError
+    @abstractmethod
+    def _open(self, stream_id: str | None, request_id: str | None, offset: int) -> G: ...
 
     def start(self, prompt: Prompt, *, stream_id: str | None = None, **options: Unpack[GenerateOptions]) -> G:
         """Start a generation (options as `build_request`'s); its chunks come from the returned iterator."""
