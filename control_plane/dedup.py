@@ -24,7 +24,16 @@ from control_plane.generation import Generation, View
 from control_plane.observer import Observer
 from control_plane.replication import Replicator, apply_slice, parse_finish
 from control_plane.sequence import Sequence
-from dedup_service import BATCH_KEY_PREFIX, Outcome, Record, State, Store, StoreUnavailable, fingerprint
+from dedup_service import (
+    BATCH_KEY_PREFIX,
+    ContentClaim,
+    Outcome,
+    Record,
+    State,
+    Store,
+    StoreUnavailable,
+    fingerprint,
+)
 from dedup_service.memory import MemoryStore
 from protos.coalesce.v1 import inference_pb2
 
@@ -33,6 +42,7 @@ log = logging.getLogger(__name__)
 MISS, COALESCED = inference_pb2.DEDUP_OUTCOME_MISS, inference_pb2.DEDUP_OUTCOME_COALESCED
 REPLAYED, TAKEOVER = inference_pb2.DEDUP_OUTCOME_REPLAYED, inference_pb2.DEDUP_OUTCOME_TAKEOVER
 TAIL_S = 1.0
+LOG_WAIT_S = 0.02
 
 
 def new_owner() -> str:
@@ -115,12 +125,38 @@ class Deduper(Observer):
         if leader is not None:
             self.report("content", "coalesced", spec.request_id)
             return self.d.join(leader, spec.request_id, COALESCED)
+        content = self._content_key(spec, request)
+        fp = ""
+        if self.replicated and content is not None:  # an identical request may run on another replica
+            claim = await self._claim_content(spec, content[1])
+            if claim is not None and not claim.leader:
+                return await self._follow_remote(spec, claim.request_id, content[1])
+            fp = content[1] if claim is not None else ""
         indexed = self.replicated and await self._index(spec)
         view = self.d.submit(spec)
-        self.replicator.own(view.gen, 1, "", indexed)
+        self.replicator.own(view.gen, 1, "", indexed, content=fp)
         self._lead(spec, request, view)
         self.report("content", "miss", spec.request_id)
         return view
+
+    async def _claim_content(self, spec: GenerationSpec, fp: str) -> ContentClaim | None:
+        """Lead the content key, or learn who does; None with the store down (the request runs alone)."""
+        try:
+            return await self.store.claim_content(spec.tenant, fp, spec.request_id, self.owner, self.settings.lease_s)
+        except StoreUnavailable as exc:
+            log.warning("request %s runs without content dedup, the store is down: %s", spec.request_id, exc)
+            return None
+
+    async def _follow_remote(self, spec: GenerationSpec, leader_id: str, fp: str) -> View:
+        """Read an identical request that another replica computes, from its log, under our own request id."""
+        local = self.d.views.get(leader_id)
+        if local is not None and not local.done:  # it raced us here: read it directly, not through the store
+            self.report("content", "coalesced", spec.request_id)
+            return self.d.join(local, spec.request_id, COALESCED)
+        mirror = await self._mirror(leader_id, spec.tenant, "", fallback=(spec, fp))
+        mirror.gen.interest += 1
+        self.report("content", "coalesced", spec.request_id)
+        return self.d.add_view(View(spec.request_id, mirror.gen, COALESCED))
 
     def _content_key(self, spec: GenerationSpec, request: inference_pb2.GenerateRequest) -> tuple[str, str] | None:
         """Identical in-flight requests share a computation when their sampling is deterministic."""
@@ -229,9 +265,10 @@ class Deduper(Observer):
         self.replicator.own(gen, record.epoch, record.key, self.replicated)
         return view
 
-    async def _catch_up(self, gen: Generation) -> None:
+    async def _catch_up(self, gen: Generation, source: str = "") -> None:
+        """Read what the log (`source`, default the generation's own) has beyond the tokens `gen` holds."""
         while True:
-            piece = await self.store.read(gen.request_id, len(gen.token_ids))
+            piece = await self.store.read(source or gen.request_id, len(gen.token_ids))
             if piece is None or not piece.entries:
                 return
             apply_slice(gen, piece)
@@ -262,30 +299,37 @@ class Deduper(Observer):
         except StoreUnavailable as exc:
             raise store_down(exc) from None
 
-    async def _mirror(self, request_id: str, tenant: str, key: str) -> View:
-        """A local view of another replica's generation, fed from its token log; takes it over when the
-        owner's lease expires (its control plane died)."""
+    async def _mirror(
+        self, request_id: str, tenant: str, key: str, fallback: tuple[GenerationSpec, str] | None = None
+    ) -> View:
+        """A local view of another replica's generation, fed from its token log. It is taken over when the
+        owner's lease expires (its control plane died): a keyed one from its record's payload, a content
+        follower's from its own identical, deterministic request (`fallback`: spec and fingerprint)."""
         existing = self._mirrors.get(request_id)
         if existing is not None:
             return existing
         gen = Generation(request_id, tenant, prompt_tokens=0, interest=0)
         view = self.d.add_view(View(request_id, gen, COALESCED))
         self._mirrors[request_id] = view
-        task = asyncio.create_task(self._follow_log(view, key))
+        task = asyncio.create_task(self._follow_log(view, key, fallback))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return view
 
-    async def _follow_log(self, view: View, key: str) -> None:
+    async def _follow_log(self, view: View, key: str, fallback: tuple[GenerationSpec, str] | None) -> None:
         gen = view.gen
+        source = gen.request_id  # the log we read; a content follower moves on when the leader changes
         quiet_since = time.monotonic()
         while not gen.done:
             try:
-                piece = await self.store.tail(gen.request_id, len(gen.token_ids), TAIL_S)
+                piece = await self.store.tail(source, len(gen.token_ids), TAIL_S)
             except StoreUnavailable:
                 await asyncio.sleep(TAIL_S)
                 continue
             if piece is None:
+                if time.monotonic() - quiet_since < self.settings.lease_s and not gen.token_ids:
+                    await asyncio.sleep(LOG_WAIT_S)  # its owner claimed it a moment ago and opens the log now
+                    continue
                 gen.finish(inference_pb2.FINISH_REASON_ERROR, self.d.clock(), not_found("the request's log expired"))
                 break
             if piece.entries:
@@ -297,9 +341,40 @@ class Deduper(Observer):
                 gen.cached_tokens = done.usage.cached_prompt_tokens
                 error = stored_error(done.text) if done.finish_reason == inference_pb2.FINISH_REASON_ERROR else None
                 gen.finish(done.finish_reason, self.d.clock(), error)
-            elif key and time.monotonic() - quiet_since >= TAIL_S and await self._owner_dead(gen, key):
-                return  # taken over: the computation now runs here on the same Generation
+            elif time.monotonic() - quiet_since >= TAIL_S:  # is the owner still there?
+                try:
+                    if key and await self._owner_dead(gen, key):
+                        return  # taken over: the computation now runs here on the same Generation
+                    if fallback is not None:
+                        leader = await self._content_leader(gen, source, fallback)
+                        if leader is None:
+                            return  # taken over, as above
+                        source = leader
+                except StoreUnavailable:
+                    continue  # ask again after the next tail
+                except ApiError as err:
+                    gen.finish(inference_pb2.FINISH_REASON_ERROR, self.d.clock(), err)
         self._mirrors.pop(gen.request_id, None)
+
+    async def _content_leader(self, gen: Generation, source: str, fallback: tuple[GenerationSpec, str]) -> str | None:
+        """Whose log a content follower reads now; None when the leader's replica was lost and we took over.
+
+        The request is deterministic, so any identical request continues the same tokens: our own carries
+        on from what was logged, logged under our request id, where the content lease then points (followers
+        elsewhere move to that log at the offset they reached).
+        """
+        spec, fp = fallback
+        claim = await self.store.claim_content(spec.tenant, fp, spec.request_id, self.owner, self.settings.lease_s)
+        if not claim.leader:
+            return claim.request_id
+        await self._catch_up(gen, source)
+        if not await self._index(spec):
+            return gen.request_id
+        self._mirrors.pop(gen.request_id, None)
+        self.report("content", "takeover", spec.request_id)
+        self.d.submit(spec, gen, TAKEOVER)
+        self.replicator.own(gen, 1, "", True, name=spec.request_id, content=fp, flushed=0)
+        return None
 
     async def _owner_dead(self, gen: Generation, key: str) -> bool:
         record = await self.store.get(gen.tenant, key)

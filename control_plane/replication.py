@@ -25,13 +25,15 @@ SERVER_FAULTS = {"UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED", "ABORTED", "DE
 
 @dataclass(slots=True)
 class Owned:
-    """A request whose shared side this replica keeps: the computation it runs (`name` is the generation's
-    request id), or a keyed request riding on an identical computation here (`name` is its own id)."""
+    """A request whose shared side this replica keeps, under `name` (its log and index id): usually the
+    computation it runs (the generation's request id); a keyed request riding on an identical computation
+    here, or a content follower that took over a lost leader's generation, under its own id."""
 
     name: str
     gen: Generation
     epoch: int
     key: str = ""
+    content: str = ""  # fingerprint whose content lease this computation holds (cross-replica coalescing)
     write_log: bool = True  # replicated stores only: the memory store's single replica reads local views
     flushed: int = 0
     admitted: bool = False  # scheduled on a worker: the record moves INIT -> PROCESSING
@@ -63,7 +65,6 @@ class Replicator:
         self.keep_s = keep_s
         self.retention_s = retention_s
         self.owned: dict[str, Owned] = {}  # by name
-        self.tenant_of: dict[str, str] = {}
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         # Called when our lease was lost to another replica's takeover: stop computing (fenced).
@@ -79,11 +80,21 @@ class Replicator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def own(self, gen: Generation, epoch: int, key: str, write_log: bool, name: str = "") -> Owned:
+    def own(
+        self,
+        gen: Generation,
+        epoch: int,
+        key: str,
+        write_log: bool,
+        name: str = "",
+        content: str = "",
+        flushed: int = -1,
+    ) -> Owned:
+        """Keep `gen`'s shared side; `flushed` is how much of it the log already has (default: all of it)."""
         name = name or gen.request_id
-        owned = Owned(name, gen, epoch, key, write_log, flushed=len(gen.token_ids) if write_log else 0)
+        done = len(gen.token_ids) if flushed < 0 else flushed
+        owned = Owned(name, gen, epoch, key, content, write_log, flushed=done if write_log else 0)
         self.owned[name] = owned
-        self.tenant_of[gen.request_id] = gen.tenant
         return owned
 
     def touch(self) -> None:
@@ -105,7 +116,7 @@ class Replicator:
         """One append_many for every owned log with new tokens, then the records of what finished."""
         pending = [o for o in self.owned.values() if o.write_log and len(o.gen.token_ids) > o.flushed]
         if pending:
-            appends = [LogAppend(o.gen.request_id, self.owner, o.epoch, o.flushed, _entries(o)) for o in pending]
+            appends = [LogAppend(o.name, self.owner, o.epoch, o.flushed, _entries(o)) for o in pending]
             ends = [len(o.gen.token_ids) for o in pending]
             for o, ok, end in zip(pending, await self.store.append_many(appends), ends, strict=True):
                 if ok:
@@ -123,7 +134,9 @@ class Replicator:
         gen = o.gen
         if o.write_log:
             failed = gen.finish_reason == inference_pb2.FINISH_REASON_ERROR
-            await self.store.finish(gen.request_id, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
+            await self.store.finish(o.name, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
+        if o.content:
+            await self.store.release_content(gen.tenant, o.content, o.name)
         if o.key:
             if gen.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH):
                 await self.store.succeed(
@@ -145,10 +158,12 @@ class Replicator:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            for o in [o for o in self.owned.values() if o.key and not o.gen.done]:
+            for o in [o for o in self.owned.values() if not o.gen.done]:
                 with contextlib.suppress(StoreUnavailable):
-                    if not await self.store.renew(o.gen.tenant, o.key, self.owner, o.epoch, self.lease_s):
+                    if o.key and not await self.store.renew(o.gen.tenant, o.key, self.owner, o.epoch, self.lease_s):
                         self._fence(o)
+                    elif o.content:
+                        await self.store.renew_content(o.gen.tenant, o.content, o.name, self.lease_s)
 
     def _fence(self, o: Owned) -> None:
         log.warning("request %s: fenced out (epoch %d is stale); stopping it here", o.gen.request_id, o.epoch)

@@ -18,9 +18,10 @@ Request-id keys carry no tenant in their name because Resume names only the requ
 in `req:` and checked on every lookup (another tenant's id reads as absent).
 
 Every multi-step change is one Lua script (redis_scripts.py) given the injected clock's now in ms; key TTLs
-only garbage-collect (store.py GC_* constants). Commands are not retried: a retried script may have run
-already (a claim would come back ATTACH to its own claimer), so a failure surfaces as StoreUnavailable and the
-caller retries the request, which idempotency makes safe.
+only garbage-collect (store.py GC_* constants). Timeouts are not retried: a retried script may have run
+already (a claim would come back ATTACH to its own claimer), so they surface as StoreUnavailable and the
+caller retries the request, which idempotency makes safe. A connection error is retried once: after a Redis
+restart every pooled connection is stale, and a command sent on one never reached the new server.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from urllib.parse import quote
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from dedup_service import redis_scripts as lua
 from dedup_service.model import (
@@ -60,7 +62,8 @@ class RedisStore(RedisLogs):
 
     @classmethod
     def from_url(cls, url: str, clock: Clock = time.time, prefix: str = "coalesce:") -> RedisStore:
-        client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        client = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5, retry=retry)
         return cls(client, clock, prefix)
 
     # --- keys ---

@@ -193,3 +193,51 @@ def test_batch_resubmission_runs_only_what_failed(serve: ServeProcess) -> None:
             client.cancel(f"b1-{i}")  # keep the suite fast: these are the long ones
         final = {s.seq_id: s for s in client.watch_batch("b1")}
         assert sum(s.state == inference_pb2.ITEM_STATE_SUCCESS for s in final.values()) == 13
+
+
+def test_identical_keyless_requests_coalesce_across_replicas(replicas: tuple[Replica, Replica]) -> None:
+    a, b = replicas
+
+    async def run() -> list[Result]:
+        clients = [AsyncCoalesceClient(r.address, retry=NO_RETRY) for r in (a, b)]
+        try:  # long enough that every copy arrives while the first is still in flight
+            gens = [
+                c.generate("same words, two replicas", max_tokens=160, ignore_eos=True).result() for c in clients * 8
+            ]
+            return list(await asyncio.gather(*gens))
+        finally:
+            for c in clients:
+                await c.close()
+
+    before = a.step_tokens() + b.step_tokens()
+    results = asyncio.run(run())
+    assert len({tuple(r.token_ids) for r in results}) == 1 and len(results[0].token_ids) == 160
+    assert sorted(r.dedup_outcome or "" for r in results) == ["coalesced"] * 15 + ["miss"]
+    assert len({r.request_id for r in results}) == 16  # each request keeps its own id
+    prompt = results[0].usage.prompt_tokens if results[0].usage else 0
+    assert a.step_tokens() + b.step_tokens() - before == prompt + 160 - 1  # computed once
+
+
+def test_a_content_follower_takes_over_when_the_leaders_replica_dies(redis_server: object) -> None:
+    a, b = _pair(redis_server.url)  # type: ignore[attr-defined]
+    try:
+        opts = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.8, "seed": 11}
+        with CoalesceClient(b.address, retry=NO_RETRY) as cb:
+            undisturbed = cb.generate("leader lost", dedup="off", **opts).result().token_ids  # type: ignore[arg-type]
+        with CoalesceClient(a.address, retry=NO_RETRY) as ca, CoalesceClient(b.address, retry=NO_RETRY) as cb:
+            leader = ca.generate("leader lost", stream=True, **opts)  # type: ignore[arg-type]
+            assert next(iter(leader)).token_ids
+            follower = cb.generate("leader lost", stream=True, **opts)  # type: ignore[arg-type]
+            received: list[int] = []
+            for chunk in follower:
+                assert received or chunk.dedup_outcome == "coalesced"
+                received += chunk.token_ids
+                if len(received) >= 8:
+                    break
+            os.kill(a.cp.proc.pid, signal.SIGKILL)
+            for chunk in follower:  # the same stream goes on: B now computes it
+                received += chunk.token_ids
+        assert received == undisturbed
+    finally:
+        a.stop()
+        b.stop()
