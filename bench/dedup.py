@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the 
 
 import redis  # noqa: E402
 
+from bench.common import free_port, percentile  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -65,23 +64,6 @@ WORKER = re.compile(r"coalesce worker listening on (\S+):(\d+)")
 # The builtin model's byte tokenizer: ids 0-255 are bytes, 256/257 are BOS/EOS. Prompts stay below 256.
 BYTE_IDS = 256
 KV_CACHE_MB = "128"  # 64 sequences x 128 tokens is ~16 MiB of fp32 KV for the builtin model; room to spare
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
-    xs = sorted(values)
-    if not xs:
-        return math.nan
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
 class Coalesce:
