@@ -134,7 +134,8 @@ class Deduper(Observer):
             fp = content[1] if claim is not None else ""
         indexed = self.replicated and await self._index(spec)
         view = self.d.submit(spec)
-        self.replicator.own(view.gen, 1, "", indexed, content=fp)
+        if indexed or fp:  # nothing shared to keep otherwise: stay off the per-step flush
+            self.replicator.own(view.gen, 1, "", indexed, content=fp)
         self._lead(spec, request, view)
         self.report("content", "miss", spec.request_id)
         return view
@@ -216,7 +217,6 @@ class Deduper(Observer):
                 return view
             case Outcome.ATTACH:
                 assert record is not None
-                self.report("idempotency", "coalesced", record.request_id)
                 return await self._attach(record, spec.tenant)
             case Outcome.TAKEOVER:
                 assert record is not None
@@ -245,7 +245,10 @@ class Deduper(Observer):
         if local is not None:
             local.gen.interest += 1
             # Finished here a moment ago, its SUCCESS not yet written: a replay from memory.
-            return View(record.request_id, local.gen, REPLAYED if local.gen.done else COALESCED)
+            replayed = local.gen.done
+            self.report("idempotency", "replayed" if replayed else "coalesced", record.request_id)
+            return View(record.request_id, local.gen, REPLAYED if replayed else COALESCED)
+        self.report("idempotency", "coalesced", record.request_id)
         mirror = await self._mirror(record.request_id, tenant, record.key)
         mirror.gen.interest += 1
         return View(record.request_id, mirror.gen, COALESCED)

@@ -51,7 +51,6 @@ class WorkerProcess:
     settings: WorkerSettings
     port: int
     proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
 
     @property
     def address(self) -> str:
@@ -69,7 +68,6 @@ class WorkerProcess:
             return False
         code = self.proc.returncode if self.proc else None
         log.warning("worker %s exited (%s); restarting it", self.address, code)
-        self.restarts += 1
         self.start()
         return True
 
