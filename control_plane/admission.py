@@ -1,5 +1,8 @@
-"""Admission (DESIGN §4.1): tenant from the bearer token, validation, tokenization, the sampling the
-worker will run, and the completion budget. Pure functions of the request and the served model."""
+"""Admission: a public GenerateRequest (and its call metadata) becomes a `Request` record.
+
+Tenant from the bearer token, validation, tokenization, the sampling the worker runs, the completion budget,
+the fingerprint. Pure functions of the request and the served model (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,18 @@ import hashlib
 import secrets
 import uuid
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
 from control_plane.config import Settings
-from control_plane.dispatcher import GenerationSpec
 from control_plane.errors import invalid
-from control_plane.validation import Limits, resolve_max_tokens, validate_generate
+from control_plane.request import Request
+from control_plane.validation import Limits, check_idempotency_key, resolve_max_tokens, validate_generate
+from dedup_service import BATCH_KEY_PREFIX, fingerprint
 from protos.coalesce.v1 import inference_pb2, worker_pb2
+
+Metadata = Seq[tuple[str, str | bytes]]
 
 DEFAULT_TENANT = "default"
 POOL_NAMES = {
@@ -24,7 +31,7 @@ POOL_NAMES = {
 }
 
 
-def tenant_of(metadata: Seq[tuple[str, str | bytes]] | None) -> str:
+def tenant_of(metadata: Metadata | None) -> str:
     """The tenant is a digest of the bearer token (never the token itself, which may end up in keys)."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str) and value.lower().startswith("bearer "):
@@ -32,6 +39,15 @@ def tenant_of(metadata: Seq[tuple[str, str | bytes]] | None) -> str:
             if token:
                 return "t-" + hashlib.sha256(token.encode()).hexdigest()[:24]
     return DEFAULT_TENANT
+
+
+def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:
+    """The request's key: its field, else the `x-idempotency-key` header."""
+    key = request.idempotency_key or next((str(v) for k, v in metadata or () if k == "x-idempotency-key"), "")
+    check_idempotency_key(key)
+    if key.startswith(BATCH_KEY_PREFIX):  # batch items' keys: a caller's key must never collide with one
+        raise invalid("idempotency_key", f"keys starting with {BATCH_KEY_PREFIX!r} are reserved")
+    return key
 
 
 def worker_seed(seed: int | None) -> int:
@@ -49,48 +65,84 @@ def pool_of(request: inference_pb2.GenerateRequest) -> str:
     return POOL_NAMES[request.pool]
 
 
-def build_spec(
-    request: inference_pb2.GenerateRequest,
-    tenant: str,
-    tokenizer: Tokenizer,
-    limits: Limits,
-    settings: Settings,
-    request_id: str | None = None,
-    traceparent: str = "",
-    prefix: str = "",
-) -> GenerationSpec:
-    """Validate and tokenize; raises ApiError (INVALID_ARGUMENT) naming the bad field."""
-    validate_generate(request, limits, prefix)
-    if request.WhichOneof("prompt") == "text":
-        prompt_ids = tokenizer.encode(request.text).ids
-        if not prompt_ids:
-            raise invalid(prefix + "text", "tokenizes to no tokens")
-    else:
-        prompt_ids = list(request.token_ids.ids)
-    s = request.sampling
-    max_tokens = resolve_max_tokens(len(prompt_ids), s.max_tokens, limits, prefix)
-    sampling = worker_pb2.WorkerSampling(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=worker_seed(s.seed if s.HasField("seed") else None),
-        logprobs=s.logprobs,
-    )
-    return GenerationSpec(
-        request_id=request_id or request.request_id or uuid.uuid4().hex,
-        tenant=tenant,
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        pool=pool_of(request),
-        sampling=sampling,
-        stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        traceparent=traceparent,
-    )
+def deterministic(request: inference_pb2.GenerateRequest) -> bool:
+    return request.sampling.temperature == 0 or request.sampling.HasField("seed")
 
 
 def streams(request: inference_pb2.GenerateRequest, settings: Settings) -> bool:
     """Streamed when asked for and the pool streams (the batch pool answers once, for throughput)."""
-    pool = getattr(settings.pools, pool_of(request))
-    return request.stream and pool.stream
+    return request.stream and getattr(settings.pools, pool_of(request)).stream
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Builds Request records for the served model."""
+
+    tokenizer: Tokenizer
+    limits: Limits
+    settings: Settings
+
+    def admit(
+        self,
+        request: inference_pb2.GenerateRequest,
+        tenant: str,
+        key: str = "",
+        traceparent: str = "",
+        prefix: str = "",
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize; raises ApiError (INVALID_ARGUMENT) naming the bad field."""
+        validate_generate(request, self.limits, prefix)
+        if request.WhichOneof("prompt") == "text":
+            prompt_ids = self.tokenizer.encode(request.text).ids
+            if not prompt_ids:
+                raise invalid(prefix + "text", "tokenizes to no tokens")
+        else:
+            prompt_ids = list(request.token_ids.ids)
+        s = request.sampling
+        max_tokens = resolve_max_tokens(len(prompt_ids), s.max_tokens, self.limits, prefix)
+        request_id = request_id or request.request_id or uuid.uuid4().hex
+        payload = b""
+        if key:  # what a takeover re-runs: the request as claimed, under this request id
+            claimed = inference_pb2.GenerateRequest()
+            claimed.CopyFrom(request)
+            claimed.request_id = request_id
+            payload = claimed.SerializeToString()
+        return Request(
+            request_id=request_id,
+            tenant=tenant,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            pool=pool_of(request),
+            sampling=worker_pb2.WorkerSampling(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                seed=worker_seed(s.seed if s.HasField("seed") else None),
+                logprobs=s.logprobs,
+            ),
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            fingerprint=self._fingerprint(request, tenant, prompt_ids, max_tokens),
+            shareable=request.dedup != inference_pb2.DEDUP_POLICY_OFF and deterministic(request),
+            key=key,
+            payload=payload,
+            traceparent=traceparent,
+        )
+
+    def _fingerprint(
+        self, request: inference_pb2.GenerateRequest, tenant: str, prompt_ids: list[int], max_tokens: int
+    ) -> str:
+        """What the caller asked for: the caller's sampling (their seed, not the worker's noise seed)."""
+        s = request.sampling
+        sampling = {
+            "temperature": float(s.temperature),
+            "top_p": float(s.top_p or 1.0),
+            "top_k": int(s.top_k),
+            "seed": int(s.seed) if s.HasField("seed") else None,
+            "max_tokens": max_tokens,
+            "ignore_eos": bool(s.ignore_eos),
+            "logprobs": int(s.logprobs),
+        }
+        return fingerprint(tenant, self.limits.model_name, prompt_ids, sampling, list(s.stop), list(s.stop_token_ids))

@@ -13,16 +13,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from control_plane.admission import Admission
 from control_plane.config import Settings
-from control_plane.dedup import Deduper
+from control_plane.dedup import Dedup, new_owner
 from control_plane.dispatcher import Dispatcher
-from control_plane.observer import Fanout
+from control_plane.replication import Replicator
 from control_plane.server import InferenceService
 from control_plane.telemetry.logs import configure_logging
 from control_plane.telemetry.setup import Telemetry
+from control_plane.validation import Limits
 from control_plane.worker_procs import WorkerProcess, spawn_workers
 from dedup_service import make_store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+from protos.limits import INTERNAL_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +43,24 @@ async def serve_control_plane(
     """Run the public API until `stop` is set; then drain: NOT_SERVING, finish in-flight calls, stop."""
     stop = stop or asyncio.Event()
     telemetry = Telemetry.start(settings)
-    dispatcher = Dispatcher(settings, addresses, observer=telemetry.observer)
+    store = make_store(settings.store)
+    journal = Replicator(store, new_owner(), settings)
+    dispatcher = Dispatcher(settings, addresses, observer=telemetry.observer, journal=journal)
     await dispatcher.start()
     telemetry.bind(dispatcher)
-    store = make_store(settings.store)
-    deduper = Deduper(dispatcher, store, settings)
-    dispatcher.observer = Fanout(deduper, dispatcher.observer)  # dedup bookkeeping before telemetry
-    deduper.start()
+    assert dispatcher.tokenizer is not None
+    admission = Admission(dispatcher.tokenizer, Limits.of(dispatcher.info, settings), settings)
+    dedup = Dedup(dispatcher, store, journal, admission, settings, telemetry.observer)
+    dedup.start()
     server = grpc.aio.server(
         interceptors=telemetry.interceptors,
         options=[
             ("grpc.max_receive_message_length", settings.max_request_bytes),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),
         ],
     )
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceService(dispatcher, deduper, settings), server)
+    service = InferenceService(admission, dedup, dispatcher, store, settings)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -73,7 +79,7 @@ async def serve_control_plane(
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.stop(grace=DRAIN_S)
         await dispatcher.stop()
-        await deduper.stop()
+        await dedup.stop()
         await store.close()
         telemetry.stop()  # flushes buffered spans
 

@@ -1,4 +1,4 @@
-"""gRPC errors with google.rpc details (DESIGN §3): BadRequest field violations, ErrorInfo, RetryInfo."""
+"""gRPC errors with google.rpc details: BadRequest field violations, ErrorInfo, RetryInfo (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,21 @@ def unavailable(message: str, reason: str = "UNAVAILABLE", retry_after_s: float 
 def store_down(exc: Exception) -> ApiError:
     """UNAVAILABLE for a dedup store that cannot be reached: retry later, never a silent duplicate."""
     return unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE")
+
+
+def id_in_use(request_id: str) -> ApiError:
+    return ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "REQUEST_ID_IN_USE")
+
+
+def key_reused(what: str) -> ApiError:
+    """FAILED_PRECONDITION: an idempotency key (or batch item) seen before with another request payload."""
+    return ApiError(
+        grpc.StatusCode.FAILED_PRECONDITION, f"{what} was used for another request payload", "IDEMPOTENCY_KEY_REUSED"
+    )
+
+
+def stored_error(text: str) -> ApiError:
+    """An error replayed from its "CODE: message" form (a FAILED record, a finished log)."""
+    name, _, message = text.partition(": ")
+    code = getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN)
+    return ApiError(code, message or text, "REPLAYED_ERROR")

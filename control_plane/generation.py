@@ -2,7 +2,7 @@
 
 The step loop appends synchronously (no awaits on the hot path); each subscriber follows from its own
 offset and receives everything new as one chunk, so a slow reader gets fewer, larger messages instead
-of falling behind (DESIGN §9: Python gRPC moves ~10^4 messages/s per process).
+of falling behind (Python gRPC moves ~10^4 messages/s per process; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from protos.coalesce.v1 import common_pb2, inference_pb2
 FinishReason = inference_pb2.FinishReason
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Generation:
-    """The tokens of one request, as they are produced; readable from any offset while it is kept."""
+    """The tokens of one computation, as they are produced; readable from any offset while it is kept.
+
+    The dispatcher is its only writer for computations that run here; the follower, for ones mirrored from
+    another replica's token log (docs/architecture.md, "Records and their owners").
+    """
 
     request_id: str
     tenant: str
     prompt_tokens: int
-    dedup_outcome: int = inference_pb2.DEDUP_OUTCOME_MISS
+    admitted: bool = False  # its first step was scheduled (queue_ms and cached_tokens are known)
     queue_ms: float = 0.0
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -34,7 +38,7 @@ class Generation:
     error: ApiError | None = None
     # Requests reading this computation that have not cancelled; at 0 the computation is aborted.
     interest: int = 1
-    # Readers currently attached; when it drops to 0 the resume grace period starts (DESIGN §4.9).
+    # Readers currently attached; when it drops to 0 the resume grace period starts.
     subscribers: int = 0
     detached_at: float | None = None
     # Batch items run with nobody reading: never abandoned.
@@ -84,7 +88,7 @@ class Generation:
         if any(lp is not None for lp in self.logprobs[start:end]):
             msg.logprobs.extend(lp or common_pb2.TokenLogprob() for lp in self.logprobs[start:end])
         if start == 0:
-            msg.dedup_outcome = view.dedup_outcome if view else self.dedup_outcome  # type: ignore[assignment]
+            msg.dedup_outcome = view.dedup_outcome if view else inference_pb2.DEDUP_OUTCOME_MISS  # type: ignore[assignment]
             msg.queue_ms = self.queue_ms
         if view is not None and view.cancelled:
             msg.finish_reason = inference_pb2.FINISH_REASON_CANCELLED
@@ -138,7 +142,7 @@ class Generation:
 class View:
     """One request's handle on a generation: its own request id and dedup outcome, and its own cancel.
 
-    Identical requests share one Generation through several views (DESIGN §4.3); cancelling a view ends
+    Identical requests share one Generation through several views; cancelling a view ends
     that request only, and the computation stops when no view is interested any more.
     """
 

@@ -1,4 +1,4 @@
-"""Scheduling policy for one worker (DESIGN §4.4-§4.5): pools, batch buffer, admission, preemption.
+"""Scheduling policy for one worker: pools, batch buffer, admission, preemption (docs/architecture.md).
 
 Pure and synchronous: the caller owns I/O and time (the clock is injected). The loop is
 
@@ -109,7 +109,7 @@ class Scheduler:
         return self.finish(seq_id, "abort")
 
     def finish(self, seq_id: int, reason: str) -> bool:
-        """End a sequence from outside (stop string, cancel). False when it is unknown or already over."""
+        """End a sequence from outside (a cancel). False when it is unknown or already over."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             return False
@@ -142,6 +142,11 @@ class Scheduler:
     @property
     def inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def oldest(self) -> StepPlan:
+        """The plan the worker answers next (raises IndexError when none is in flight)."""
+        return self._inflight[0]
 
     def stats(self) -> Stats:
         running = {p: len(self.running[p]) for p in POOLS}
@@ -327,10 +332,13 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"the worker sampled no token for seq {seq.seq_id}")
             seq.output_ids.append(token)
+            text = seq.text.push(token) if seq.text is not None else ""
             reason = seq.stop_reason(token, self.max_context)
             if reason is not None:
+                if seq.text is not None:
+                    text += seq.text.flush()
                 self._end(seq, reason)
-            events.append(SeqEvent(seq, token, reason))
+            events.append(SeqEvent(seq, token, reason, text))
         return events
 
     def _publish(self, seq: Sequence) -> None:

@@ -1,34 +1,24 @@
-"""The public gRPC edge: InferenceService. Each RPC is one short method; decisions live in admission,
-dedup, the dispatcher and the scheduler."""
+"""The public gRPC edge: InferenceService. Each RPC is one short method: admission builds the request record,
+dedup decides and acts, the view streams the tokens (docs/architecture.md, "A request's life")."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from control_plane.admission import streams, tenant_of
+from control_plane.admission import Admission, Metadata, idempotency_key, streams, tenant_of
 from control_plane.batch_jobs import BatchJobs
 from control_plane.config import Settings
-from control_plane.dedup import Deduper
+from control_plane.dedup import Dedup
 from control_plane.dispatcher import Dispatcher
 from control_plane.errors import ApiError, invalid
 from control_plane.generation import View
+from control_plane.session import Session
 from control_plane.telemetry.tracing import current_traceparent
-from control_plane.validation import check_idempotency_key
+from dedup_service import Store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
-
-log = logging.getLogger(__name__)
-
-Metadata = tuple[tuple[str, str | bytes], ...]
-
-
-def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:
-    key = request.idempotency_key or next((str(v) for k, v in metadata or () if k == "x-idempotency-key"), "")
-    check_idempotency_key(key)
-    return key
 
 
 def traceparent_of(metadata: Metadata | None) -> str:
@@ -37,24 +27,37 @@ def traceparent_of(metadata: Metadata | None) -> str:
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, dispatcher: Dispatcher, deduper: Deduper, settings: Settings) -> None:
+    def __init__(
+        self, admission: Admission, dedup: Dedup, dispatcher: Dispatcher, store: Store, settings: Settings
+    ) -> None:
+        self.admission = admission
+        self.dedup = dedup
         self.dispatcher = dispatcher
-        self.deduper = deduper
         self.settings = settings
-        self.batches = BatchJobs(deduper)
+        self.batches = BatchJobs(admission, dedup, store)
 
     async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str = "") -> View:
-        return await self.deduper.generate(
-            request, tenant_of(metadata), idempotency_key(request, metadata), traceparent_of(metadata), prefix
-        )
+        """Admit a GenerateRequest and open the caller's view of it."""
+        key = idempotency_key(request, metadata)
+        admitted = self.admission.admit(request, tenant_of(metadata), key, traceparent_of(metadata), prefix)
+        return await self.dedup.open(admitted)
 
     async def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The view's chunks from `offset`, counted as a reader (the resume grace period starts without one)."""
         self.dispatcher.attach(view.gen)
         try:
             async for chunk in view.follow(offset, stream):
                 yield chunk
         finally:
             self.dispatcher.detach(view.gen)
+
+    async def resume(self, request_id: str, offset: int, tenant: str) -> View:
+        return await self.dedup.resume(request_id, offset, tenant)
+
+    def cancel(self, request_id: str, tenant: str) -> bool:
+        if not request_id:
+            raise invalid("request_id", "must not be empty")
+        return self.dispatcher.cancel(request_id, tenant)
 
     # -- RPCs --------------------------------------------------------------------------------------------
     async def Generate(
@@ -73,7 +76,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.ResumeResponse]:
         try:
             tenant = tenant_of(context.invocation_metadata())
-            view = await self.deduper.resume(request.request_id, request.offset, tenant)
+            view = await self.resume(request.request_id, request.offset, tenant)
             async for chunk in self.follow(view, request.offset, True):
                 yield inference_pb2.ResumeResponse(chunk=chunk)
         except ApiError as err:
@@ -83,9 +86,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CancelResponse:
         try:
-            if not request.request_id:
-                raise invalid("request_id", "must not be empty")
-            cancelled = self.dispatcher.cancel(request.request_id, tenant_of(context.invocation_metadata()))
+            cancelled = self.cancel(request.request_id, tenant_of(context.invocation_metadata()))
             return inference_pb2.CancelResponse(cancelled=cancelled)
         except ApiError as err:
             await err.abort(context)
@@ -135,79 +136,11 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     async def Session(
         self, request_iterator: AsyncIterator[inference_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.SessionResponse]:
-        session = _Session(self, context.invocation_metadata())
+        session = Session(self, context.invocation_metadata())
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            while True:
-                message = await session.outbox.get()
-                if message is None:
-                    return
+            while (message := await session.outbox.get()) is not None:
                 yield message
         finally:
             reader.cancel()
             await session.close()
-
-
-class _Session:
-    """Generations multiplexed on one bidi stream, keyed by the caller's stream_id."""
-
-    def __init__(self, service: InferenceService, metadata: Metadata | None) -> None:
-        self.service = service
-        self.metadata = metadata
-        self.tenant = tenant_of(metadata)
-        self.outbox: asyncio.Queue[inference_pb2.SessionResponse | None] = asyncio.Queue()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.request_ids: dict[str, str] = {}
-
-    async def read(self, requests: AsyncIterator[inference_pb2.SessionRequest]) -> None:
-        try:
-            async for req in requests:
-                await self._handle(req)
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        finally:
-            self.outbox.put_nowait(None)
-
-    async def _handle(self, req: inference_pb2.SessionRequest) -> None:
-        sid = req.stream_id
-        action = req.WhichOneof("action")
-        try:
-            if action == "generate":
-                if sid in self.tasks and not self.tasks[sid].done():
-                    raise invalid("stream_id", f"{sid!r} is already in use on this session")
-                request = req.generate.request
-                view = await self.service.start(request, self.metadata, prefix="generate.request.")
-                self._spawn(sid, view, 0, streams(request, self.service.settings))
-            elif action == "resume":
-                view = await self.service.deduper.resume(req.resume.request_id, req.resume.offset, self.tenant)
-                self._spawn(sid, view, req.resume.offset, True)
-            elif action == "cancel":
-                request_id = self.request_ids.get(sid)
-                if request_id is None:
-                    raise invalid("stream_id", f"{sid!r} names no generation on this session")
-                self.service.dispatcher.cancel(request_id, self.tenant)
-            elif action == "ack":
-                pass  # the log is kept for the resume window whatever the caller acknowledged
-            else:
-                raise invalid("action", "set one of generate, cancel, resume, ack")
-        except ApiError as err:
-            self._error(sid, err)
-
-    def _spawn(self, sid: str, view: View, offset: int, stream: bool) -> None:
-        self.request_ids[sid] = view.request_id
-        self.tasks[sid] = asyncio.create_task(self._pump(sid, view, offset, stream))
-
-    async def _pump(self, sid: str, view: View, offset: int, stream: bool) -> None:
-        try:
-            async for chunk in self.service.follow(view, offset, stream):
-                self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, chunk=chunk))
-        except ApiError as err:
-            self._error(sid, err)
-
-    def _error(self, sid: str, err: ApiError) -> None:
-        error = inference_pb2.SessionError(code=err.code.value[0], message=err.message, reason=err.reason)
-        self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, error=error))
-
-    async def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)

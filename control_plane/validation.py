@@ -6,8 +6,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from control_plane.config import Settings
 from control_plane.errors import ApiError, invalid, invalid_fields
-from protos.coalesce.v1 import inference_pb2
+from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOP_BYTES = 256
@@ -25,6 +26,12 @@ class Limits:
     max_context: int
     default_max_tokens: int
     max_stop_strings: int
+
+    @classmethod
+    def of(cls, info: worker_pb2.InfoResponse, settings: Settings) -> Limits:
+        """The limits of the model a worker serves, under these settings."""
+        return cls(info.model_name, info.vocab_size, info.max_context, settings.default_max_tokens,
+                   settings.max_stop_strings)  # fmt: skip
 
 
 def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix: str = "") -> None:

@@ -21,10 +21,12 @@ from dedup_service.model import (
     batch_key,
     seq_sort_key,
 )
-from dedup_service.store import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock
+from dedup_service.timing import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock
 
 
 class MemoryStore(MemoryLogs):
+    shared = False  # one process: its in-memory generations are the token log
+
     def __init__(self, clock: Clock = time.time) -> None:
         super().__init__(clock)
         self._records: dict[tuple[str, str], Record] = {}

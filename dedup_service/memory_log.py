@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from dedup_service.model import LogAppend, LogEntry, LogSlice, Record, RequestInfo, State
-from dedup_service.store import GC_SLACK_S, RUNNING_GC_S, Clock
+from dedup_service.timing import GC_SLACK_S, RUNNING_GC_S, Clock
 
 SWEEP_EVERY = 256  # writes between sweeps
 

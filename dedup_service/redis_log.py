@@ -13,7 +13,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dedup_service import redis_scripts as lua
 from dedup_service.model import LogAppend, LogEntry, LogSlice, RequestInfo, State, StoreUnavailable
-from dedup_service.store import GC_SLACK_S, RUNNING_GC_S, Clock, ms
+from dedup_service.timing import GC_SLACK_S, RUNNING_GC_S, Clock, ms
 
 P = ParamSpec("P")
 T = TypeVar("T")

@@ -48,10 +48,12 @@ from dedup_service.model import (
     seq_sort_key,
 )
 from dedup_service.redis_log import RedisLogs, unavailable
-from dedup_service.store import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock, ms
+from dedup_service.timing import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock, ms
 
 
 class RedisStore(RedisLogs):
+    shared = True  # every replica reads and writes the same keys
+
     def __init__(self, client: aioredis.Redis, clock: Clock = time.time, prefix: str = "coalesce:") -> None:
         super().__init__(client, clock, prefix)
         self._claim_lua = client.register_script(lua.CLAIM)

@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from dedup_service.factory import make_store
 from dedup_service.model import RUNNING, Record, RequestInfo, State, StoreUnavailable
-from dedup_service.store import Store, make_store
+from dedup_service.store import Store
 from protos.coalesce.v1 import dedup_pb2, dedup_pb2_grpc, inference_pb2
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The `Store` protocol (what the control plane calls) and `make_store`.
+"""The `Store` protocol: what the control plane calls.
 
 Two backends implement it with the same behaviour, checked by the same tests: `MemoryStore` (embedded
 default, one process) and `RedisStore` (shared by control-plane replicas).
@@ -10,8 +10,6 @@ takeover and at each fresh claim of a released key, and the owner should be uniq
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 from dedup_service.model import (
@@ -23,19 +21,7 @@ from dedup_service.model import (
     Record,
     RequestInfo,
 )
-
-Clock = Callable[[], float]
-
-# Defaults of DESIGN §4: a short owner lease renewed by heartbeat, 24 h replay, 30 s resume window.
-DEFAULT_LEASE_S = 10.0
-DEFAULT_RETENTION_S = 24 * 3600.0
-DEFAULT_KEEP_S = 30.0
-
-# Garbage collection (Redis key TTLs; the memory store sweeps the same way). These never decide behaviour,
-# which follows the injected clock: they only drop data well after it stopped mattering.
-GC_SLACK_S = 60.0  # kept this long past a logical expiry (retention, resume window, lease), for clock skew
-RUNNING_GC_S = 3600.0  # a running request's index and log after their last write; released-key tombstones
-BATCH_GC_S = 7 * 24 * 3600.0  # a batch's item set after its last claim
+from dedup_service.timing import Clock
 
 
 class Store(Protocol):
@@ -45,6 +31,9 @@ class Store(Protocol):
     """
 
     clock: Clock
+    # True when replicas share the store (Redis): token logs and content leases must go through it. The
+    # memory store lives in one process, whose in-memory generations are already the log.
+    shared: bool
 
     # --- idempotency records, one per (tenant, key) ---
 
@@ -164,21 +153,3 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def make_store(url: str, clock: Clock = time.time) -> Store:
-    """ "memory" (embedded, one process) or "redis://host:port/db" (shared)."""
-    if url == "memory":
-        from dedup_service.memory import MemoryStore
-
-        return MemoryStore(clock)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from dedup_service.redis_store import RedisStore
-
-        return RedisStore.from_url(url, clock)
-    raise ValueError(f"unknown store url {url!r}: expected 'memory' or 'redis://host:port/db'")
-
-
-def ms(seconds: float) -> int:
-    """Whole milliseconds, the unit the Redis scripts compare."""
-    return round(seconds * 1000)

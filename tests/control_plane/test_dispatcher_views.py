@@ -30,7 +30,7 @@ def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[Dispatcher, Clock]:
 
 
 def _running(d: Dispatcher, request_id: str, tenant: str = "t") -> View:
-    return d.add_view(View(request_id, Generation(request_id, tenant, prompt_tokens=3)))
+    return d.register(View(request_id, Generation(request_id, tenant, prompt_tokens=3)))
 
 
 def test_a_follower_cancel_spares_the_leader_and_the_last_cancel_stops_it(setup: tuple[Dispatcher, Clock]) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dedup_service import LogAppend, LogEntry, Outcome, State, Store
 from dedup_service.memory import MemoryStore
-from dedup_service.store import RUNNING_GC_S
+from dedup_service.timing import RUNNING_GC_S
 
 T, KEEP = "tenant-a", 30.0
 
