@@ -8,8 +8,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from clients.cli import CommandError
 from clients.client import ITEM_ENDED, CoalesceClient
+from clients.command_error import CommandError
 from clients.generate_cmd import describe, usage_json
 from clients.types import CoalesceError, Usage, build_request
 from protos.coalesce.v1 import inference_pb2

@@ -1,43 +1,20 @@
 """The `coalesce` command line: one subcommand per process kind, plus client and benchmark commands.
 
-Imports of the heavy parts (torch, grpc servers) happen inside each command, so `--help` stays fast and a
-command whose component is missing fails with one line instead of a traceback.
+Imports of the heavy parts (torch, grpc servers) happen inside each command, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clients.command_error import CommandError
+
 BENCHES = ("worker_step", "serve_load", "dedup")
 BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
-
-
-class CommandError(Exception):
-    """A failure to report as one line on stderr with exit status 2 (bad input) or 1 (anything else)."""
-
-    def __init__(self, message: str, status: int = 1) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _component(module: str, attr: str, what: str) -> Callable[..., Any]:
-    """Import `module.attr`, or fail with a line naming what is missing."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
-            raise CommandError(f"{what} is not built yet (missing module {module})") from None
-        raise
-    fn = getattr(mod, attr, None)
-    if fn is None:
-        raise CommandError(f"{what} is not built yet (missing {module}.{attr})")
-    return fn
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -59,7 +36,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args, host=args.host, port=args.port, workers=args.workers, metrics_port=args.metrics_port, store=args.store
     )
     settings.worker = settings.worker.model_copy(update=_worker_overrides(args))
-    _component("control_plane.embedded", "run_serve", "`coalesce serve`")(settings, demo=args.demo)
+    from clients.demo import run_demo
+    from control_plane.embedded import run_serve
+
+    run_serve(settings, run_demo if args.demo else None)
 
 
 def cmd_control_plane(args: argparse.Namespace) -> None:
@@ -74,33 +54,42 @@ def cmd_control_plane(args: argparse.Namespace) -> None:
     )
     if not settings.worker_addresses:
         raise CommandError("coalesce control-plane needs at least one --worker HOST:PORT", 2)
-    _component("control_plane.embedded", "run_control_plane", "`coalesce control-plane`")(settings)
+    from control_plane.embedded import run_control_plane
+
+    run_control_plane(settings)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
     settings = _settings(args)
     update = _worker_overrides(args) | {k: v for k in ("host", "port") if (v := getattr(args, k)) is not None}
-    _component("worker.server", "run_worker", "`coalesce worker`")(settings.worker.model_copy(update=update))
+    from worker.server import run_worker
+
+    run_worker(settings.worker.model_copy(update=update))
 
 
 def cmd_dedup_service(args: argparse.Namespace) -> None:
     settings = _settings(args, store=args.store)
-    run = _component("dedup_service.server", "run_dedup_service", "`coalesce dedup-service`")
-    run(settings.store, args.host, args.port)
+    from dedup_service.server import run_dedup_service
+
+    run_dedup_service(settings.store, args.host, args.port)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    _component("clients.generate_cmd", "run", "`coalesce generate`")(args)
+    from clients import generate_cmd
+
+    generate_cmd.run(args)
 
 
 def cmd_batch(args: argparse.Namespace) -> None:
-    _component("clients.batch_cmd", "run", "`coalesce batch`")(args)
+    from clients import batch_cmd
+
+    batch_cmd.run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
-    if not script.is_file():
-        raise CommandError(f"benchmark {args.name} is not built yet (missing {script})")
+    if not script.is_file():  # an installed package without the repository's bench/ folder
+        raise CommandError(f"benchmarks run from a checkout of the repository ({script} is missing)")
     raise SystemExit(subprocess.call([sys.executable, str(script), *args.bench_args]))
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 
-from clients.cli import CommandError
 from clients.client import CoalesceClient
+from clients.command_error import CommandError
 from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect
 
 

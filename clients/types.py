@@ -12,10 +12,10 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from protos.coalesce.v1 import common_pb2, inference_pb2
+from protos.limits import INTERNAL_MESSAGE_BYTES
 
-# Model info carries nothing big, but batch results can: stay well above gRPC's 4 MiB default.
-MAX_RECEIVE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS: list[tuple[str, int]] = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+# Batch results can be big: receive up to the internal limit, well above gRPC's 4 MiB default.
+CHANNEL_OPTIONS: list[tuple[str, int]] = [("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES)]
 Metadata = tuple[tuple[str, str], ...]
 
 

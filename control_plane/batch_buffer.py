@@ -1,5 +1,6 @@
-"""The batch buffer's rules (DESIGN §4.4): when a pool's waiting requests may be admitted, and the
-back-pressure when its queue is full. Pure functions of the queue, the pool's settings and the time."""
+"""The batch buffer's rules (docs/architecture.md, "Scheduling"): when a pool's waiting requests may be
+admitted, and the back-pressure when its queue is full. Pure functions of the queue, the pool's settings
+and the time."""
 
 from __future__ import annotations
 

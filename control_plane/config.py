@@ -18,7 +18,7 @@ from worker.config import WorkerSettings
 
 
 class PoolSettings(BaseModel):
-    """One scheduling pool (DESIGN §4.4)."""
+    """One scheduling pool (docs/architecture.md, "Scheduling")."""
 
     # Most sequences of this pool running at once on one worker.
     max_batch: int = Field(ge=1)

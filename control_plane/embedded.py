@@ -97,7 +97,7 @@ async def _supervise(workers: list[WorkerProcess]) -> None:
             w.ensure_running()
 
 
-def run_serve(settings: Settings, demo: bool = False) -> None:
+def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None = None) -> None:
     """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
     configure_logging(settings.log_format)
     workers = spawn_workers(settings.worker, settings.workers)
@@ -116,10 +116,8 @@ def run_serve(settings: Settings, demo: bool = False) -> None:
             )
             if info.model_name == "builtin":
                 print(BUILTIN_NOTE, flush=True)
-            if demo:
-                from control_plane.demo import run_demo
-
-                await run_demo(f"{settings.host}:{port}")
+            if then is not None:  # e.g. the CLI's demo tour, as a client of this server
+                await then(f"{settings.host}:{port}")
 
         try:
             await serve_control_plane(settings, [w.address for w in workers], ready, stop)

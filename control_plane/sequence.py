@@ -105,22 +105,9 @@ class Sequence:
 
     def moved(self, seq_id: int) -> Sequence:
         """The same computation under a new id, to run on another worker from its outputs so far."""
-        return Sequence(
-            seq_id=seq_id,
-            request_id=self.request_id,
-            tenant=self.tenant,
-            pool=self.pool,
-            prompt_ids=self.prompt_ids,
-            max_tokens=self.max_tokens,
-            sampling=self.sampling,
-            eos_ids=self.eos_ids,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            traceparent=self.traceparent,
-            output_ids=list(self.output_ids),
-            text=self.text,
-            gen=self.gen,
-        )
+        return Sequence(seq_id, self.request_id, self.tenant, self.pool, self.prompt_ids, self.max_tokens,
+                        self.sampling, self.eos_ids, self.stop_token_ids, self.ignore_eos, self.traceparent,
+                        output_ids=list(self.output_ids), text=self.text, gen=self.gen)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,7 +18,7 @@ class StoreUnavailable(Exception):
 
 
 class State(StrEnum):
-    """State of an idempotency record (DESIGN §4.2)."""
+    """State of an idempotency record (docs/architecture.md, "The dedup decision")."""
 
     INIT = "INIT"  # claimed, waiting in the batch buffer
     PROCESSING = "PROCESSING"  # running on a worker

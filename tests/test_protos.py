@@ -1,4 +1,5 @@
-"""The protocol sources: generated code is fresh, buf lint is clean, the services are what DESIGN §3 names."""
+"""The protocol sources: generated code is fresh, buf lint is clean, the services are the ones named in
+docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Dedup end to end (DESIGN §4.2-§4.3, §4.9-§4.10): two control-plane processes sharing one real
+"""Dedup end to end (docs/architecture.md, "The dedup decision"): two control-plane processes sharing one real
 redis-server, each driving its own worker process; and `coalesce serve` on the memory store."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`coalesce serve` as a real process, driven through the Python client over gRPC (DESIGN §4)."""
+"""`coalesce serve` as a real process, driven through the Python client over gRPC (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`coalesce serve` as a real process exporting to a real OTLP receiver and serving /metrics (DESIGN §5).
+"""`coalesce serve` as a real process exporting to a real OTLP receiver and serving /metrics (docs/observability.md).
 
 One server for the module: traces are checked per request by trace id, metrics by the change between two
 scrapes, so the tests do not depend on each other's traffic.

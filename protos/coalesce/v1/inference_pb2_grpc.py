@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class InferenceServiceStub:
     """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    ErrorInfo with a stable reason, RetryInfo): see docs/architecture.md.
     """
 
     def __init__(self, channel):
@@ -80,7 +80,7 @@ class InferenceServiceStub:
 
 class InferenceServiceServicer:
     """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    ErrorInfo with a stable reason, RetryInfo): see docs/architecture.md.
     """
 
     def Generate(self, request, context):
@@ -193,7 +193,7 @@ def add_InferenceServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
     """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    ErrorInfo with a stable reason, RetryInfo): see docs/architecture.md.
     """
 
     @staticmethod
