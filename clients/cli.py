@@ -13,7 +13,7 @@ from typing import Any
 
 from clients.command_error import CommandError
 
-BENCHES = ("worker_step", "serve_load", "dedup")
+BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing")
 BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
 
 
