@@ -24,11 +24,13 @@ from clients.types import (
     GenerateOptions,
     Metadata,
     Result,
+    Tls,
     batch_items,
     build_request,
     call_metadata,
     chunk_from_proto,
     collect,
+    default_token,
     error_from_rpc,
     with_key,
 )
@@ -103,16 +105,21 @@ class AsyncCoalesceClient:
         address: str,
         token: str | None = None,
         *,
+        tls: Tls | None = None,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.address = address
         self.retry = retry or RetryPolicy()
-        self._token = token
+        self._token = token if token is not None else default_token()
         self._timeout = timeout
         self._sleep = sleep
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+            if tls is not None
+            else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncCoalesceClient:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from clients.command_error import CommandError
+from security.settings import ConfigError
 
 BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing")
 BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
@@ -109,7 +110,10 @@ def _add_server_flags(p: argparse.ArgumentParser, port_help: str) -> None:
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default="127.0.0.1:50051", help="control plane HOST:PORT")
-    p.add_argument("--token", help="bearer token (tenant) sent as authorization metadata")
+    p.add_argument("--token", help="bearer token (default: $COALESCE_TOKEN, else the local token of `coalesce serve`)")
+    p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), when the server requires one")
+    p.add_argument("--tls-key", metavar="FILE", help="the client certificate's key (PEM)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     except CommandError as exc:
         print(f"coalesce {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(exc.status) from None
+    except ConfigError as exc:  # a setting that cannot work, found at start
+        print(f"coalesce {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
 

@@ -22,11 +22,13 @@ from clients.types import (
     GenerateOptions,
     Metadata,
     Result,
+    Tls,
     batch_items,
     build_request,
     call_metadata,
     chunk_from_proto,
     collect,
+    default_token,
     error_from_rpc,
     with_key,
 )
@@ -109,16 +111,21 @@ class CoalesceClient:
         address: str,
         token: str | None = None,
         *,
+        tls: Tls | None = None,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.address = address
         self.retry = retry or RetryPolicy()
-        self._token = token
+        self._token = token if token is not None else default_token()
         self._timeout = timeout  # for unary calls; streams last as long as the generation
         self._sleep = sleep
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+            if tls is not None
+            else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
 
     def __enter__(self) -> CoalesceClient:

@@ -11,7 +11,7 @@ import grpc
 
 from clients.client import CoalesceClient
 from clients.command_error import CommandError
-from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect
+from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect, tls_of
 
 
 def usage_json(usage: Usage | None) -> dict[str, int] | None:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
     out = sys.stdout
     chunks: list[Chunk] = []
     try:
-        with CoalesceClient(args.address, args.token) as client:
+        with CoalesceClient(args.address, args.token, tls=tls_of(args)) as client:
             for chunk in client.generate(args.prompt, **options):
                 chunks.append(chunk)
                 if not args.json:

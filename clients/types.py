@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from grpc_status import rpc_status
 
 from protos.coalesce.v1 import common_pb2, inference_pb2
 from protos.limits import INTERNAL_MESSAGE_BYTES
+from security.local_token import read_local_token
+from security.tls import client_channel_credentials
 
 # Batch results can be big: receive up to the internal limit, well above gRPC's 4 MiB default.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES)]
@@ -207,6 +210,34 @@ def with_key(req: inference_pb2.GenerateRequest, retries: bool) -> inference_pb2
         req = inference_pb2.GenerateRequest.FromString(req.SerializeToString())
         req.idempotency_key = str(uuid.uuid4())
     return req
+
+
+TOKEN_ENV = "COALESCE_TOKEN"
+
+
+def default_token() -> str | None:
+    """The bearer token to send when none is given: $COALESCE_TOKEN, else the local token that `coalesce
+    serve` accepts on this machine (docs/security.md), else none."""
+    return os.environ.get(TOKEN_ENV) or read_local_token()
+
+
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """TLS to the control plane: trust `ca_file` (default: the system's roots); present a client certificate
+    when the server requires one."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return client_channel_credentials(self.ca_file, self.cert_file, self.key_file)
+
+
+def tls_of(args: object) -> Tls | None:
+    """TLS from the CLI's --tls-ca/--tls-cert/--tls-key flags (None: plaintext)."""
+    files = [getattr(args, f"tls_{name}", None) or "" for name in ("ca", "cert", "key")]
+    return Tls(*files) if any(files) else None
 
 
 def call_metadata(token: str | None, idempotency_key: str = "") -> Metadata:

@@ -1,6 +1,6 @@
 """Admission: a public GenerateRequest (and its call metadata) becomes a `Request` record.
 
-Tenant from the bearer token, validation, tokenization, the sampling the worker runs, the completion budget,
+Validation, tokenization, the sampling the worker runs, the completion budget,
 the fingerprint. Pure functions of the request and the served model (docs/architecture.md).
 """
 
@@ -23,22 +23,11 @@ from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 Metadata = Seq[tuple[str, str | bytes]]
 
-DEFAULT_TENANT = "default"
 POOL_NAMES = {
     inference_pb2.POOL_UNSPECIFIED: "interactive",
     inference_pb2.POOL_INTERACTIVE: "interactive",
     inference_pb2.POOL_BATCH: "batch",
 }
-
-
-def tenant_of(metadata: Metadata | None) -> str:
-    """The tenant is a digest of the bearer token (never the token itself, which may end up in keys)."""
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.lower().startswith("bearer "):
-            token = value[7:].strip()
-            if token:
-                return "t-" + hashlib.sha256(token.encode()).hexdigest()[:24]
-    return DEFAULT_TENANT
 
 
 def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:

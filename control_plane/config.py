@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
+from security.settings import AuthSettings, InternalTlsSettings, TlsSettings
 from worker.config import WorkerSettings
 
 
@@ -96,6 +97,12 @@ class Settings(BaseSettings):
     max_stop_strings: int = Field(default=16, ge=0)
     # Largest request message accepted, in bytes.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Who may call the public API (bearer tokens -> tenants), and TLS of the public port (docs/security.md).
+    auth: AuthSettings = AuthSettings()
+    tls: TlsSettings = TlsSettings()
+    # What a worker requires of its control plane: mTLS and/or this shared secret (COALESCE_INTERNAL_TOKEN).
+    internal_tls: InternalTlsSettings = InternalTlsSettings()
+    internal_token: str = Field(default="", repr=False)
 
     @model_validator(mode="after")
     def _shares_fit(self) -> Settings:

@@ -26,11 +26,18 @@ from control_plane.worker_procs import WorkerProcess, spawn_workers
 from dedup_service import make_store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 from protos.limits import INTERNAL_MESSAGE_BYTES
+from security.internal import TOKEN_ENV, new_token
+from security.local_token import TENANT as LOCAL_TENANT
+from security.local_token import ensure_local_token
+from security.settings import AuthSettings, ConfigError
+from security.tls import public_server_credentials
+from security.tokens import Authenticator, digest
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 DRAIN_S = 10.0
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 BUILTIN_NOTE = "note: the built-in model's output is noise; `--model DIR` loads a Hugging Face checkpoint"
 
 
@@ -42,6 +49,7 @@ async def serve_control_plane(
 ) -> None:
     """Run the public API until `stop` is set; then drain: NOT_SERVING, finish in-flight calls, stop."""
     stop = stop or asyncio.Event()
+    auth = authenticator(settings)
     telemetry = Telemetry.start(settings)
     store = make_store(settings.store)
     journal = Replicator(store, new_owner(), settings)
@@ -59,12 +67,16 @@ async def serve_control_plane(
             ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),
         ],
     )
-    service = InferenceService(admission, dedup, dispatcher, store, settings)
+    service = InferenceService(admission, dedup, dispatcher, store, auth, settings)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls.enabled:
+        port = server.add_secure_port(address, public_server_credentials(settings.tls))
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -84,6 +96,29 @@ async def serve_control_plane(
         telemetry.stop()  # flushes buffered spans
 
 
+def authenticator(settings: Settings) -> Authenticator:
+    """Who may call: the configured tokens, or nobody checked when auth is disabled explicitly."""
+    if settings.auth.disabled:
+        if settings.host not in LOOPBACK:
+            log.warning("auth is disabled and the API listens on %s: any caller is trusted", settings.host)
+    elif not settings.auth.configured:
+        raise ConfigError(
+            "auth is on but no tokens are configured: set auth.tokens_file or auth.tokens (docs/security.md), "
+            "or auth.disabled: true"
+        )
+    return Authenticator(settings.auth)
+
+
+def with_local_auth(settings: Settings) -> Settings:
+    """`coalesce serve` with no tokens configured: accept the local token (made once, readable by this user
+    only), which the CLI and the Python client on this machine send by default."""
+    if settings.auth.disabled or settings.auth.configured:
+        return settings
+    token, path = ensure_local_token()
+    print(f"auth: accepting the local token in {path} (tenant {LOCAL_TENANT!r}); see docs/security.md", flush=True)
+    return settings.model_copy(update={"auth": AuthSettings(tokens={digest(token): LOCAL_TENANT})})
+
+
 def _install_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -100,7 +135,11 @@ async def _supervise(workers: list[WorkerProcess]) -> None:
 def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None = None) -> None:
     """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
     configure_logging(settings.log_format)
-    workers = spawn_workers(settings.worker, settings.workers)
+    settings = with_local_auth(settings)
+    authenticator(settings)  # a configuration that cannot work fails here, in one line, before serving
+    # The workers serve only this process: a fresh shared secret, passed in their environment.
+    settings = settings.model_copy(update={"internal_token": settings.internal_token or new_token()})
+    workers = spawn_workers(settings.worker, settings.workers, env={TOKEN_ENV: settings.internal_token})
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -137,6 +176,7 @@ def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None 
 def run_control_plane(settings: Settings) -> None:
     """`coalesce control-plane --worker HOST:PORT ...`."""
     configure_logging(settings.log_format)
+    authenticator(settings)  # a configuration that cannot work fails here, in one line, before serving
 
     async def main() -> None:
         stop = asyncio.Event()

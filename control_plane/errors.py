@@ -71,6 +71,10 @@ def invalid_fields(violations: list[tuple[str, str]]) -> ApiError:
     return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_ARGUMENT", violations)
 
 
+def unauthenticated(message: str) -> ApiError:
+    return ApiError(grpc.StatusCode.UNAUTHENTICATED, message, "UNAUTHENTICATED")
+
+
 def not_found(what: str) -> ApiError:
     return ApiError(grpc.StatusCode.NOT_FOUND, what, "NOT_FOUND")
 

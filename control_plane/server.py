@@ -8,17 +8,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from control_plane.admission import Admission, Metadata, idempotency_key, streams, tenant_of
+from control_plane.admission import Admission, Metadata, idempotency_key, streams
 from control_plane.batch_jobs import BatchJobs
 from control_plane.config import Settings
 from control_plane.dedup import Dedup
 from control_plane.dispatcher import Dispatcher
-from control_plane.errors import ApiError, invalid
+from control_plane.errors import ApiError, invalid, unauthenticated
 from control_plane.generation import View
 from control_plane.session import Session
 from control_plane.telemetry.tracing import current_traceparent
 from dedup_service import Store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
+from security.tokens import Authenticator, Unauthenticated
 
 
 def traceparent_of(metadata: Metadata | None) -> str:
@@ -28,18 +29,34 @@ def traceparent_of(metadata: Metadata | None) -> str:
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(
-        self, admission: Admission, dedup: Dedup, dispatcher: Dispatcher, store: Store, settings: Settings
+        self,
+        admission: Admission,
+        dedup: Dedup,
+        dispatcher: Dispatcher,
+        store: Store,
+        auth: Authenticator,
+        settings: Settings,
     ) -> None:
         self.admission = admission
+        self.auth = auth
         self.dedup = dedup
         self.dispatcher = dispatcher
         self.settings = settings
         self.batches = BatchJobs(admission, dedup, store)
 
-    async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str = "") -> View:
+    def tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant, from its bearer token (UNAUTHENTICATED without a valid one)."""
+        try:
+            return self.auth.tenant(context.invocation_metadata())
+        except Unauthenticated as exc:
+            raise unauthenticated(str(exc)) from None
+
+    async def start(
+        self, request: inference_pb2.GenerateRequest, tenant: str, metadata: Metadata | None, prefix: str = ""
+    ) -> View:
         """Admit a GenerateRequest and open the caller's view of it."""
         key = idempotency_key(request, metadata)
-        admitted = self.admission.admit(request, tenant_of(metadata), key, traceparent_of(metadata), prefix)
+        admitted = self.admission.admit(request, tenant, key, traceparent_of(metadata), prefix)
         return await self.dedup.open(admitted)
 
     async def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]:
@@ -64,7 +81,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
-            view = await self.start(request, context.invocation_metadata())
+            view = await self.start(request, self.tenant(context), context.invocation_metadata())
             await context.send_initial_metadata((("x-request-id", view.request_id),))
             async for chunk in self.follow(view, 0, streams(request, self.settings)):
                 yield chunk
@@ -75,8 +92,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.ResumeResponse]:
         try:
-            tenant = tenant_of(context.invocation_metadata())
-            view = await self.resume(request.request_id, request.offset, tenant)
+            view = await self.resume(request.request_id, request.offset, self.tenant(context))
             async for chunk in self.follow(view, request.offset, True):
                 yield inference_pb2.ResumeResponse(chunk=chunk)
         except ApiError as err:
@@ -86,7 +102,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CancelResponse:
         try:
-            cancelled = self.cancel(request.request_id, tenant_of(context.invocation_metadata()))
+            cancelled = self.cancel(request.request_id, self.tenant(context))
             return inference_pb2.CancelResponse(cancelled=cancelled)
         except ApiError as err:
             await err.abort(context)
@@ -95,6 +111,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     async def GetModelInfo(
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetModelInfoResponse:
+        try:
+            self.tenant(context)
+        except ApiError as err:
+            await err.abort(context)
         info = self.dispatcher.info
         return inference_pb2.GetModelInfoResponse(
             model=info.model_name,
@@ -109,7 +129,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.SubmitBatchRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.SubmitBatchResponse:
         try:
-            return await self.batches.submit(request, tenant_of(context.invocation_metadata()))
+            return await self.batches.submit(request, self.tenant(context))
         except ApiError as err:
             await err.abort(context)
             raise
@@ -118,7 +138,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetBatchResponse:
         try:
-            items = await self.batches.items(request.batch_id, tenant_of(context.invocation_metadata()))
+            items = await self.batches.items(request.batch_id, self.tenant(context))
             return inference_pb2.GetBatchResponse(batch_id=request.batch_id, items=items)
         except ApiError as err:
             await err.abort(context)
@@ -128,7 +148,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.WatchBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.WatchBatchResponse]:
         try:
-            async for item in self.batches.watch(request.batch_id, tenant_of(context.invocation_metadata())):
+            async for item in self.batches.watch(request.batch_id, self.tenant(context)):
                 yield inference_pb2.WatchBatchResponse(item=item)
         except ApiError as err:
             await err.abort(context)
@@ -136,7 +156,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     async def Session(
         self, request_iterator: AsyncIterator[inference_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.SessionResponse]:
-        session = Session(self, context.invocation_metadata())
+        try:
+            session = Session(self, self.tenant(context), context.invocation_metadata())
+        except ApiError as err:
+            await err.abort(context)
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (message := await session.outbox.get()) is not None:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from control_plane.admission import Metadata, streams, tenant_of
+from control_plane.admission import Metadata, streams
 from control_plane.config import Settings
 from control_plane.errors import ApiError, invalid
 from control_plane.generation import View
@@ -18,7 +18,9 @@ class Service(Protocol):
 
     settings: Settings
 
-    async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str) -> View: ...
+    async def start(
+        self, request: inference_pb2.GenerateRequest, tenant: str, metadata: Metadata | None, prefix: str
+    ) -> View: ...
 
     def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]: ...
 
@@ -28,10 +30,10 @@ class Service(Protocol):
 
 
 class Session:
-    def __init__(self, service: Service, metadata: Metadata | None) -> None:
+    def __init__(self, service: Service, tenant: str, metadata: Metadata | None) -> None:
         self.service = service
+        self.tenant = tenant
         self.metadata = metadata
-        self.tenant = tenant_of(metadata)
         self.outbox: asyncio.Queue[inference_pb2.SessionResponse | None] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.request_ids: dict[str, str] = {}
@@ -52,7 +54,7 @@ class Session:
                 if sid in self.tasks and not self.tasks[sid].done():
                     raise invalid("stream_id", f"{sid!r} is already in use on this session")
                 request = req.generate.request
-                view = await self.service.start(request, self.metadata, prefix="generate.request.")
+                view = await self.service.start(request, self.tenant, self.metadata, prefix="generate.request.")
                 self._spawn(sid, view, 0, streams(request, self.service.settings))
             elif action == "resume":
                 view = await self.service.resume(req.resume.request_id, req.resume.offset, self.tenant)

@@ -26,6 +26,8 @@ from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 from protos.limits import INTERNAL_CHANNEL_OPTIONS
+from security.internal import call_metadata
+from security.tls import internal_channel_credentials
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ class WorkerLink:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
 
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self.settings.internal_token)
+
     # -- called by the dispatcher ------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """Queue a sequence (raises QueueFull)."""
@@ -73,7 +79,7 @@ class WorkerLink:
     # -- the loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
         attempt = 0
-        async with grpc.aio.insecure_channel(self.address, options=INTERNAL_CHANNEL_OPTIONS) as channel:
+        async with self._channel() as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             while not self._stopping:
                 try:
@@ -85,8 +91,16 @@ class WorkerLink:
                     await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                     attempt += 1
 
+    def _channel(self) -> grpc.aio.Channel:
+        """To the worker: mTLS when internal_tls is set (docs/security.md), else plaintext."""
+        tls = self.settings.internal_tls
+        if not tls.enabled:
+            return grpc.aio.insecure_channel(self.address, options=INTERNAL_CHANNEL_OPTIONS)
+        creds, options = internal_channel_credentials(tls)
+        return grpc.aio.secure_channel(self.address, creds, options=INTERNAL_CHANNEL_OPTIONS + options)
+
     async def _connect(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
-        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
+        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10, metadata=self._metadata)
         geometry = (info.num_blocks, info.block_size, info.max_context)
         replaced = self.info is not None and geometry != (
             self.info.num_blocks,
@@ -105,7 +119,7 @@ class WorkerLink:
     async def _session(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         assert self.scheduler is not None
         scheduler = self.scheduler
-        call = stub.Step()
+        call = stub.Step(metadata=self._metadata)
         step_id, last = 0, 0.0
 
         async def send() -> bool:

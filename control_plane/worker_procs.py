@@ -4,11 +4,12 @@ holds gRPC state), restarted on the same port when one dies, stopped on shutdown
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.config import WorkerSettings
 
@@ -50,6 +51,7 @@ class WorkerProcess:
 
     settings: WorkerSettings
     port: int
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -57,7 +59,8 @@ class WorkerProcess:
         return f"{self.settings.host}:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(worker_command(self.settings, self.port), stdout=subprocess.DEVNULL)
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(worker_command(self.settings, self.port), stdout=subprocess.DEVNULL, env=env)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -82,8 +85,8 @@ class WorkerProcess:
             self.proc.wait()
 
 
-def spawn_workers(settings: WorkerSettings, count: int) -> list[WorkerProcess]:
-    workers = [WorkerProcess(settings, free_port(settings.host)) for _ in range(count)]
+def spawn_workers(settings: WorkerSettings, count: int, env: dict[str, str] | None = None) -> list[WorkerProcess]:
+    workers = [WorkerProcess(settings, free_port(settings.host), dict(env or {})) for _ in range(count)]
     for w in workers:
         w.start()
     return workers

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server on a free port, and real grpc.aio servers on 127.0.0.1."""
+"""Shared fixtures: a real redis-server on a free port, and real grpc.aio servers on 127.0.0.1.
+Authentication is on in every server the tests start (tests.session_env.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
+
+import tests.session_env  # noqa: E402, F401  (sets the environment every test and spawned process inherits)
 
 # What a test passes to start a server: functions that add servicers to it (grpc's `add_*_to_server`).
 AddServicers = Callable[[grpc.aio.Server], None]

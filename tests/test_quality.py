@@ -21,5 +21,7 @@ def test_ruff_lint_and_format() -> None:
 
 
 def test_mypy() -> None:
-    result = _run("mypy", "protos", "control_plane", "worker", "dedup_service", "clients", "tests", "bench", "scripts")
+    result = _run(
+        "mypy", "protos", "security", "control_plane", "worker", "dedup_service", "clients", "tests", "bench", "scripts"
+    )
     assert result.returncode == 0, result.stdout + result.stderr

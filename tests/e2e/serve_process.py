@@ -27,11 +27,13 @@ class CoalesceProcess:
         ready: re.Pattern[str],
         env: dict[str, str] | None = None,
         timeout: float = 120,
+        unset: tuple[str, ...] = (),
     ) -> None:
         self.ready = ready
         cmd = [sys.executable, "-m", "clients.cli", command, "--port", "0", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env.pop("COALESCE_CONFIG", None)
+        for name in ("COALESCE_CONFIG", *unset):
+            full_env.pop(name, None)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)  # fmt: skip
         self.lines: list[str] = []
@@ -78,8 +80,10 @@ class CoalesceProcess:
 class ServeProcess(CoalesceProcess):
     """`coalesce serve --port 0 ...`: control plane and spawned workers."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
-        super().__init__("serve", *args, ready=SERVING, env=env, timeout=timeout)
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120, unset: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__("serve", *args, ready=SERVING, env=env, timeout=timeout, unset=unset)
 
 
 def scrape(port: int) -> dict[str, float]:
