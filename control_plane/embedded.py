@@ -29,6 +29,7 @@ from protos.limits import INTERNAL_MESSAGE_BYTES
 from security.internal import TOKEN_ENV, new_token
 from security.local_token import TENANT as LOCAL_TENANT
 from security.local_token import ensure_local_token
+from security.malformed import TolerantDecoding
 from security.settings import AuthSettings, ConfigError
 from security.tls import public_server_credentials
 from security.tokens import Authenticator, digest
@@ -61,7 +62,7 @@ async def serve_control_plane(
     dedup = Dedup(dispatcher, store, journal, admission, settings, telemetry.observer)
     dedup.start()
     server = grpc.aio.server(
-        interceptors=telemetry.interceptors,
+        interceptors=[TolerantDecoding(), *telemetry.interceptors],
         options=[
             ("grpc.max_receive_message_length", settings.max_request_bytes),
             ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),

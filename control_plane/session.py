@@ -6,11 +6,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+import grpc
+
 from control_plane.admission import Metadata, streams
 from control_plane.config import Settings
 from control_plane.errors import ApiError, invalid
 from control_plane.generation import View
 from protos.coalesce.v1 import inference_pb2
+from security.malformed import Malformed
 
 
 class Service(Protocol):
@@ -46,7 +49,10 @@ class Session:
         finally:
             self.outbox.put_nowait(None)
 
-    async def _handle(self, req: inference_pb2.SessionRequest) -> None:
+    async def _handle(self, req: inference_pb2.SessionRequest | Malformed) -> None:
+        if isinstance(req, Malformed):  # that message is refused; the session and its streams go on
+            self._error("", ApiError(grpc.StatusCode.INVALID_ARGUMENT, req.error, "MALFORMED_MESSAGE"))
+            return
         sid = req.stream_id
         action = req.WhichOneof("action")
         try:
