@@ -96,6 +96,7 @@ class Admission:
             claimed = inference_pb2.GenerateRequest()
             claimed.CopyFrom(request)
             claimed.request_id = request_id
+            claimed.DiscardUnknownFields()  # kept with the key for its retention: only what we understand
             payload = claimed.SerializeToString()
         return Request(
             request_id=request_id,

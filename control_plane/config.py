@@ -95,6 +95,7 @@ class Settings(BaseSettings):
     # max_tokens when the request leaves it 0.
     default_max_tokens: int = Field(default=256, ge=1)
     max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
     # Largest request message accepted, in bytes.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # Who may call the public API (bearer tokens -> tenants), and TLS of the public port (docs/security.md).

@@ -26,12 +26,13 @@ class Limits:
     max_context: int
     default_max_tokens: int
     max_stop_strings: int
+    max_stop_token_ids: int = 64
 
     @classmethod
     def of(cls, info: worker_pb2.InfoResponse, settings: Settings) -> Limits:
         """The limits of the model a worker serves, under these settings."""
         return cls(info.model_name, info.vocab_size, info.max_context, settings.default_max_tokens,
-                   settings.max_stop_strings)  # fmt: skip
+                   settings.max_stop_strings, settings.max_stop_token_ids)  # fmt: skip
 
 
 def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix: str = "") -> None:
@@ -65,7 +66,11 @@ def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix
     for i, stop in enumerate(s.stop):
         if not stop or len(stop.encode()) > MAX_STOP_BYTES:
             v.append((f"{sp}stop[{i}]", f"must be 1 to {MAX_STOP_BYTES} bytes"))
-    for i, t in enumerate(s.stop_token_ids):
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        v.append(
+            (sp + "stop_token_ids", f"{len(s.stop_token_ids)} stop token ids; at most {limits.max_stop_token_ids}")
+        )
+    for i, t in enumerate(s.stop_token_ids[: limits.max_stop_token_ids]):
         if not 0 <= t < limits.vocab_size:
             v.append((f"{sp}stop_token_ids[{i}]", f"{t} is outside [0, {limits.vocab_size})"))
     if req.pool not in inference_pb2.Pool.values():

@@ -117,3 +117,27 @@ def test_status_carries_google_rpc_details() -> None:
     bad = error_details_pb2.BadRequest()
     assert proto.details[0].Unpack(bad)
     assert bad.field_violations[0].field == "sampling.top_k"
+
+
+def test_a_huge_stop_token_id_list_is_refused_before_anything_is_kept() -> None:
+    req = inference_pb2.GenerateRequest(text="x")
+    req.sampling.stop_token_ids.extend([1] * 1_000_000)
+    with pytest.raises(ApiError) as err:
+        validate_generate(req, LIMITS)
+    assert err.value.violations == [("sampling.stop_token_ids", "1000000 stop token ids; at most 64")]
+
+
+def test_the_payload_kept_with_a_key_drops_unknown_fields(byte_tokenizer: Tokenizer) -> None:
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    from control_plane.admission import Admission
+    from control_plane.config import load_settings
+
+    known = inference_pb2.GenerateRequest(text="hello").SerializeToString()
+    unknown_field = b"\xfa\x06" + bytes([0x80, 0x80, 0x01]) + b"u" * 16384  # field 111, 16 KiB of junk
+    req = inference_pb2.GenerateRequest.FromString(known + unknown_field)
+    admitted = Admission(byte_tokenizer, LIMITS, load_settings()).admit(req, "t", key="k1")
+    kept = inference_pb2.GenerateRequest.FromString(admitted.payload)
+    assert kept.text == "hello" and kept.request_id == admitted.request_id
+    assert len(admitted.payload) < 100 and len(UnknownFieldSet(kept)) == 0
+    assert len(UnknownFieldSet(req)) == 1  # the caller's message really carried it
