@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
@@ -68,6 +69,7 @@ class Dispatcher:
         self.views: dict[str, View] = {}  # every request here, by id
         self.leaders: dict[tuple[str, str], View] = {}  # shareable computations, by (tenant, fingerprint)
         self.running: dict[Generation, tuple[WorkerLink, Sequence]] = {}  # computed here, and where
+        self.per_tenant: Counter[tuple[str, str]] = Counter()  # (tenant, pool) -> generations in `running`
         self._next_seq = 1
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -149,9 +151,15 @@ class Dispatcher:
             text=text,
             gen=gen,
         )
+        limit = getattr(self.settings.pools, request.pool).max_per_tenant
+        if self.per_tenant[(request.tenant, request.pool)] >= limit:
+            raise exhausted(
+                f"this tenant already has {limit} requests in the {request.pool} pool", 1.0, reason="TENANT_LIMIT"
+            )
         link = self._route(seq)
         self._enqueue(link, seq)
         self.running[gen] = (link, seq)
+        self.per_tenant[(request.tenant, request.pool)] += 1
         view = self.register(View(request.request_id, gen, outcome))
         if request.shareable:
             self.leaders[(request.tenant, request.fingerprint)] = view
@@ -216,7 +224,12 @@ class Dispatcher:
 
     def _end(self, gen: Generation, reason: int, now: float, error: ApiError | None = None) -> None:
         gen.finish(reason, now, error)
-        self.running.pop(gen, None)
+        placed = self.running.pop(gen, None)
+        if placed is not None:
+            count = (placed[1].tenant, placed[1].pool)
+            self.per_tenant[count] -= 1
+            if not self.per_tenant[count]:
+                del self.per_tenant[count]
         self.observer.on_finish(gen, now)
         self.journal.touch()
 

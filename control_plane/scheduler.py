@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane.batch_buffer import QueueFull, deadline, released, retry_after
+from control_plane.batch_buffer import QueueFull, deadline, fair_order, released, retry_after
 from control_plane.block_manager import BlockManager
 from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
@@ -267,17 +267,19 @@ class Scheduler:
         step.lengths.append(n)
 
     def _admit(self, plan: StepPlan, step: StepState, now: float) -> None:
-        """Admit waiting sequences, interactive first, FIFO per pool, within budget, max_batch and quota."""
+        """Admit waiting sequences, interactive first, fairly between tenants and FIFO within one, within the
+        step's budget, the pool's max_batch and its KV quota."""
         for p in POOLS:
             if not self._released(p, now):
                 continue
-            queue, i = self.waiting[p], 0
-            while i < len(queue) and len(self.running[p]) < self.pools[p].max_batch:
+            queue = self.waiting[p]
+            for seq in fair_order(queue, self.running[p]):
+                if len(self.running[p]) >= self.pools[p].max_batch:
+                    break
                 if step.budget <= 0:
                     return
-                seq = queue[i]
                 if seq.seq_id in step.preempted:
-                    break  # it just lost its room; FIFO keeps the rest behind it
+                    break  # it just lost its room; the rest stays behind it
                 tokens = seq.tokens()
                 hit = self.bm.match(tokens, seq.tenant)
                 n = chunk(len(tokens) - hit.tokens, step, self.settings.prefill_ratio)
@@ -285,12 +287,11 @@ class Scheduler:
                     if seq.skipped:
                         return  # skipped twice: admit nothing more so it leads the next step's prefills
                     seq.skipped = True
-                    i += 1
                     continue
                 total = -(-len(tokens) // self.block_size)
                 if not self._fits(p, *self.bm.cost(hit, total, p)):
                     break  # no room for the head: nothing behind it jumps ahead
-                del queue[i]
+                queue.remove(seq)
                 self._start(seq, hit.tokens, now, plan)
                 plan.copies += self.bm.allocate(seq, hit, total)
                 seq.num_computed = seq.num_scheduled = hit.tokens
