@@ -258,15 +258,14 @@ class Dispatcher:
         if events or plan.admitted:
             self.journal.touch()
 
-    def _on_lost(self, link: WorkerLink, requeued: int, everything: bool) -> None:
-        """A worker was lost (its sequences are requeued there for recompute): move them to live workers.
-
-        With `everything`, the link's scheduler was replaced (the worker came back with another cache),
-        so all its sequences are rebuilt, onto itself if need be.
-        """
-        self.observer.on_worker_lost(link, requeued)
+    def _on_lost(self, link: WorkerLink, requeued: int, cause: str) -> None:
+        """A worker was lost, or is still down (its sequences wait there for recompute): move them to live
+        workers. When it came back with another cache ("replaced"), all its sequences are rebuilt, onto
+        itself if need be."""
+        if cause == "lost":
+            self.observer.on_worker_lost(link, requeued)
         live = [other for other in self.links if other is not link and other.connected.is_set()]
-        if everything:
+        if cause == "replaced":
             live.append(link)
         if not live:
             return  # they wait in this link's queues for the worker to return

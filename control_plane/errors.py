@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -11,6 +12,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "coalesce.v1"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,8 +90,10 @@ def unavailable(message: str, reason: str = "UNAVAILABLE", retry_after_s: float 
 
 
 def store_down(exc: Exception) -> ApiError:
-    """UNAVAILABLE for a dedup store that cannot be reached: retry later, never a silent duplicate."""
-    return unavailable(f"the dedup store is unavailable: {exc}", "STORE_UNAVAILABLE")
+    """UNAVAILABLE for a dedup store that cannot be reached: retry later, never a silent duplicate. What went
+    wrong is logged here, not told to the caller (it would name our infrastructure)."""
+    log.warning("dedup store unavailable: %s", exc)
+    return unavailable("the dedup store is unavailable", "STORE_UNAVAILABLE")
 
 
 def id_in_use(request_id: str) -> ApiError:

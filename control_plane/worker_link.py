@@ -46,9 +46,10 @@ class WorkerLink:
     # loop_s is the wall time between this step's completion and the previous one's (or its send, when the
     # worker was idle before it): the time per step as the control plane sees it.
     on_step: Callable[[WorkerLink, StepPlan, list[SeqEvent], worker_pb2.StepResponse, float], None]
-    # Called when the worker was lost (its sequences are requeued for recompute in this link's scheduler),
-    # with the number requeued, and True when the scheduler was replaced so everything must be resubmitted.
-    on_lost: Callable[[WorkerLink, int, bool], None]
+    # Called when the worker was lost ("lost": its sequences were requeued for recompute in this link's
+    # scheduler, `requeued` of them running), is still down with work waiting here ("down"), or came back
+    # with another cache ("replaced": the scheduler was replaced, so everything must be resubmitted).
+    on_lost: Callable[[WorkerLink, int, str], None]
     clock: Callable[[], float] = time.monotonic
     info: worker_pb2.InfoResponse | None = None
     scheduler: Scheduler | None = None
@@ -114,7 +115,7 @@ class WorkerLink:
         self.connected.set()
         log.info("worker %s connected: %s, %d KV blocks", self.address, info.model_name, info.num_blocks)
         if replaced:
-            self.on_lost(self, 0, True)
+            self.on_lost(self, 0, "replaced")
 
     async def _session(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         assert self.scheduler is not None
@@ -176,4 +177,7 @@ class WorkerLink:
         if was_connected:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
-        self.on_lost(self, len(requeued), False)
+        if was_connected:
+            self.on_lost(self, len(requeued), "lost")
+        elif self.scheduler.has_work():  # still down: what waits here may move to a worker that is up
+            self.on_lost(self, 0, "down")

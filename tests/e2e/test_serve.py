@@ -182,7 +182,8 @@ def test_empty_prompt_and_oversized_message(serve: ServeProcess) -> None:
 
 
 def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
-    server = ServeProcess("--kv-cache-mb", "64", env=ENV)
+    metrics = free_port()
+    server = ServeProcess("--kv-cache-mb", "64", "--metrics-port", str(metrics), env=ENV)
     try:
         work = _workload(8, seed=3)
         opts = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.7, "seed": 5}
@@ -211,6 +212,11 @@ def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
         started = time.monotonic()
         assert asyncio.run(disturbed()) == undisturbed
         server.wait_for_line(r"worker .* lost", timeout=max(1.0, 60 - (time.monotonic() - started)))
+        deadline = time.monotonic() + 60  # the restarted worker is back after several reconnect attempts
+        while sum(" connected: " in line for line in server.lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lost = [v for k, v in scrape(metrics).items() if k.startswith("coalesce_worker_lost_total{")]
+        assert lost == [1.0]  # one loss, however many reconnect attempts it took
     finally:
         server.stop()
 
