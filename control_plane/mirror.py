@@ -29,7 +29,7 @@ def apply_slice(gen: Generation, piece: LogSlice) -> None:
 async def catch_up(store: Store, gen: Generation, source: str = "") -> None:
     """Read what the log (`source`, default the generation's own) has beyond the tokens `gen` holds."""
     while True:
-        piece = await store.read(source or gen.request_id, len(gen.token_ids))
+        piece = await store.read(gen.tenant, source or gen.request_id, len(gen.token_ids))
         if piece is None or not piece.entries:
             return
         apply_slice(gen, piece)
@@ -41,7 +41,7 @@ async def follow(store: Store, gen: Generation, source: str, lease_s: float, clo
     quiet_since = time.monotonic()
     while not gen.done:
         try:
-            piece = await store.tail(source, len(gen.token_ids), TAIL_S)
+            piece = await store.tail(gen.tenant, source, len(gen.token_ids), TAIL_S)
         except StoreUnavailable:
             await asyncio.sleep(TAIL_S)
             continue

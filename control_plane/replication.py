@@ -90,7 +90,7 @@ class Replicator:
         if pending:
             ends = [len(o.gen.token_ids) for o in pending]
             appends = [
-                LogAppend(o.name, self.owner, o.epoch, o.flushed, _entries(o, end))
+                LogAppend(o.gen.tenant, o.name, self.owner, o.epoch, o.flushed, _entries(o, end))
                 for o, end in zip(pending, ends, strict=True)
             ]
             for o, ok, end in zip(pending, await self.store.append_many(appends), ends, strict=True):
@@ -123,7 +123,7 @@ class Replicator:
         gen = o.gen
         if o.log:
             failed = gen.finish_reason == inference_pb2.FINISH_REASON_ERROR
-            await self.store.finish(o.name, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
+            await self.store.finish(gen.tenant, o.name, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
         if o.content:
             await self.store.release_content(gen.tenant, o.content, o.name)
         if o.key:

@@ -8,6 +8,7 @@ from dedup_service.factory import make_store
 from dedup_service.fingerprint import fingerprint
 from dedup_service.model import (
     BATCH_KEY_PREFIX,
+    MAX_PAYLOAD_BYTES,
     BatchItem,
     ClaimResult,
     ContentClaim,
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_KEEP_S",
     "DEFAULT_LEASE_S",
     "DEFAULT_RETENTION_S",
+    "MAX_PAYLOAD_BYTES",
     "BatchItem",
     "ClaimResult",
     "ContentClaim",

@@ -5,15 +5,18 @@ from __future__ import annotations
 import time
 
 from dedup_service.memory import MemoryStore
+from dedup_service.model import MAX_PAYLOAD_BYTES
 from dedup_service.redis_store import RedisStore
 from dedup_service.store import Store
 from dedup_service.timing import Clock
 
 
-def make_store(url: str, clock: Clock = time.time) -> Store:
-    """ "memory" (embedded, one process) or "redis://host:port/db" / "rediss://..." (shared by replicas)."""
+def make_store(url: str, clock: Clock = time.time, *, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Store:
+    """ "memory" (embedded, one process) or "redis://host:port/db" / "rediss://..." (shared by replicas).
+
+    `max_payload_bytes` bounds each stored payload (a serialized request): a larger one is a ValueError."""
     if url == "memory":
-        return MemoryStore(clock)
+        return MemoryStore(clock, max_payload_bytes)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore.from_url(url, clock)
+        return RedisStore.from_url(url, clock, max_payload_bytes=max_payload_bytes)
     raise ValueError(f"unknown store url {url!r}: expected 'memory' or 'redis://host:port/db'")

@@ -2,6 +2,10 @@
 
 The control plane calls the library directly. A stored result is read as a serialized
 `coalesce.v1.GenerateResponse` (the whole generation in one message): that is what the control plane stores.
+
+Request ids are scoped per tenant in the store, so Lookup and Purge by request id name the tenant too. The
+tenant is the request's `tenant` field, taken as given: this is an operators' service, and who may name which
+tenant is for its deployment (and the authentication in front of it) to decide.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ async def code_of(call: Awaitable[object]) -> tuple[grpc.StatusCode, str]:
 async def test_lookup_by_key_and_request_id(store: Store, stub: dedup_pb2_grpc.DedupServiceStub, clock: Clock) -> None:
     await store.claim(T, "k1", "cp-a", "ab" * 32, "r1", 10)
     await store.mark_processing(T, "k1", "cp-a", 1)
-    await store.append_many([LogAppend("r1", "cp-a", 1, 0, [LogEntry(1, "a"), LogEntry(2, "b")])])
+    await store.append_many([LogAppend(T, "r1", "cp-a", 1, 0, [LogEntry(1, "a"), LogEntry(2, "b")])])
     clock.advance(4)
 
     running = await stub.Lookup(dedup_pb2.LookupRequest(tenant=T, idempotency_key="k1"))
@@ -89,6 +89,23 @@ async def test_purge(store: Store, stub: dedup_pb2_grpc.DedupServiceStub) -> Non
     assert not (await stub.Purge(dedup_pb2.PurgeRequest(tenant="tenant-b", request_id="plain"))).purged
     assert (await stub.Purge(dedup_pb2.PurgeRequest(tenant=T, request_id="plain"))).purged
     assert await store.get(T, "k1") is None and await store.lookup_request(T, "plain") is None
+
+
+async def test_same_request_id_in_two_tenants(store: Store, stub: dedup_pb2_grpc.DedupServiceStub) -> None:
+    await store.claim(T, "k1", "cp-a", "fp", "r1", 10)
+    await store.start_request("tenant-b", "r1", "cp-b")
+    await store.append_many([LogAppend("tenant-b", "r1", "cp-b", 1, 0, [LogEntry(1, "a")])])
+    a = await stub.Lookup(dedup_pb2.LookupRequest(tenant=T, request_id="r1"))
+    b = await stub.Lookup(dedup_pb2.LookupRequest(tenant="tenant-b", request_id="r1"))
+    assert (a.owner, a.fingerprint, a.logged_tokens) == ("cp-a", "fp", 0)
+    assert (b.owner, b.fingerprint, b.logged_tokens) == ("cp-b", "", 1)
+    # Purging tenant B's request leaves tenant A's.
+    assert (await stub.Purge(dedup_pb2.PurgeRequest(tenant="tenant-b", request_id="r1"))).purged
+    code, _ = await code_of(stub.Lookup(dedup_pb2.LookupRequest(tenant="tenant-b", request_id="r1")))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert (await stub.Lookup(dedup_pb2.LookupRequest(tenant=T, request_id="r1"))).owner == "cp-a"
+    assert (await stub.Purge(dedup_pb2.PurgeRequest(tenant=T, request_id="r1"))).purged
+    assert await store.get(T, "k1") is None
 
 
 async def test_list_batch(store: Store, stub: dedup_pb2_grpc.DedupServiceStub) -> None:
