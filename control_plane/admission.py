@@ -18,7 +18,7 @@ from control_plane.config import Settings
 from control_plane.errors import invalid
 from control_plane.request import Request
 from control_plane.validation import Limits, check_idempotency_key, resolve_max_tokens, validate_generate
-from dedup_service import BATCH_KEY_PREFIX, fingerprint
+from dedup_service import BATCH_KEY_PREFIX, MAX_PAYLOAD_BYTES, fingerprint
 from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 Metadata = Seq[tuple[str, str | bytes]]
@@ -91,13 +91,16 @@ class Admission:
         s = request.sampling
         max_tokens = resolve_max_tokens(len(prompt_ids), s.max_tokens, self.limits, prefix)
         request_id = request_id or request.request_id or uuid.uuid4().hex
-        payload = b""
-        if key:  # what a takeover re-runs: the request as claimed, under this request id
-            claimed = inference_pb2.GenerateRequest()
-            claimed.CopyFrom(request)
-            claimed.request_id = request_id
-            claimed.DiscardUnknownFields()  # kept with the key for its retention: only what we understand
-            payload = claimed.SerializeToString()
+        # What a takeover re-runs, kept in the store (with a key, for its retention): the request as claimed,
+        # under this request id, with only the fields we understand.
+        claimed = inference_pb2.GenerateRequest()
+        claimed.CopyFrom(request)
+        claimed.request_id = request_id
+        claimed.DiscardUnknownFields()
+        payload = claimed.SerializeToString()
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise invalid(prefix + "prompt", f"a request is kept in the store for takeovers: at most "
+                          f"{MAX_PAYLOAD_BYTES} bytes, this one is {len(payload)}")  # fmt: skip
         return Request(
             request_id=request_id,
             tenant=tenant,

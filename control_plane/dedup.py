@@ -20,10 +20,10 @@ from control_plane.admission import Admission
 from control_plane.config import Settings
 from control_plane.dedup_decision import Attach, Decider, Decision, Follow, Lead, Refuse, Replay
 from control_plane.dispatcher import Dispatcher
-from control_plane.errors import ApiError, id_in_use, invalid, not_found, store_down
+from control_plane.errors import ApiError, id_in_use, invalid, not_found, store_down, unavailable
 from control_plane.generation import Generation, View
 from control_plane.observer import Observer
-from control_plane.replication import Replicator
+from control_plane.replication import Owned, Replicator
 from control_plane.request import Request
 from dedup_service import Outcome, Record, State, Store, StoreUnavailable
 from protos.coalesce.v1 import inference_pb2
@@ -31,7 +31,7 @@ from protos.coalesce.v1 import inference_pb2
 log = logging.getLogger(__name__)
 
 COALESCED, TAKEOVER = inference_pb2.DEDUP_OUTCOME_COALESCED, inference_pb2.DEDUP_OUTCOME_TAKEOVER
-CANCELLED, ERROR = inference_pb2.FINISH_REASON_CANCELLED, inference_pb2.FINISH_REASON_ERROR
+ERROR = inference_pb2.FINISH_REASON_ERROR
 
 
 def new_owner() -> str:
@@ -56,7 +56,8 @@ class Dedup:
         self.settings = settings
         self.observer = observer or Observer()
         self.decider = Decider(store, dispatcher, journal.owner, settings.lease_s)
-        self._mirrors: dict[str, View] = {}  # other replicas' generations followed from their logs
+        # Other replicas' generations followed from their logs, by (tenant, request id).
+        self._mirrors: dict[tuple[str, str], View] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -107,7 +108,8 @@ class Dedup:
                 raise error
             case Attach(target=target, view_id=view_id, outcome=outcome, ride_epoch=epoch):
                 if epoch:
-                    self.journal.own(target.gen, name=request.request_id, epoch=epoch, key=request.key, log=False)
+                    self.journal.own(target.gen, name=request.request_id, epoch=epoch, key=request.key, log=False,
+                                     fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
                 view = self.dispatcher.join(target, view_id, outcome)
             case Follow(log_id=log_id, view_id=view_id, key=key, content=content):
                 followed = self._mirror(log_id, request.tenant, key, request if content else None)
@@ -116,14 +118,16 @@ class Dedup:
                 gen = Generation(request.request_id, request.tenant, prompt_tokens=len(request.prompt_ids))
                 view = self.dispatcher.submit(request, gen)
                 if decision.shared:
-                    self.journal.own(
-                        gen, epoch=decision.epoch, key=decision.key, content=decision.content, log=decision.log
-                    )
+                    self._own(gen, request, decision)
             case Lead(takeover=record):
                 assert record is not None
                 view = await self._take_over(record)
         self._report(decision, view.request_id)
         return view
+
+    def _own(self, gen: Generation, request: Request, lead: Lead) -> None:
+        self.journal.own(gen, epoch=lead.epoch, key=lead.key, content=lead.content, log=lead.log,
+                         fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
 
     def _report(self, decision: Decision, request_id: str) -> None:
         if decision.report is not None:
@@ -133,7 +137,7 @@ class Dedup:
     async def resume(self, request_id: str, offset: int, tenant: str) -> View:
         if not request_id:
             raise invalid("request_id", "must not be empty")
-        view = self.dispatcher.find(request_id)
+        view = self.dispatcher.find(tenant, request_id)
         if view is None and self.store.shared:
             view = await self._remote(request_id, tenant)
         if view is None or view.tenant != tenant:
@@ -158,37 +162,65 @@ class Dedup:
     # -- other replicas' generations ---------------------------------------------------------------------
     def _mirror(self, request_id: str, tenant: str, key: str, fallback: Request | None = None) -> View:
         """A local view of another replica's generation, fed from its token log (once per request id)."""
-        existing = self._mirrors.get(request_id)
+        existing = self._mirrors.get((tenant, request_id))
         if existing is not None:
             return existing
         gen = Generation(request_id, tenant, prompt_tokens=0, interest=0)
         view = self.dispatcher.register(View(request_id, gen, COALESCED))
-        self._mirrors[request_id] = view
+        self._mirrors[(tenant, request_id)] = view
         self._spawn(self._follow(gen, key, fallback))
         return view
 
-    async def _follow(self, gen: Generation, key: str, fallback: Request | None) -> None:
+    async def _follow(self, gen: Generation, key: str, fallback: Request | None, source: str = "") -> None:
         """Follow the log while its owner lives. When the owner's replica died, continue the generation
-        here: a keyed one from its record's payload, a content follower as its own identical request."""
-        source = gen.request_id  # a content follower moves on when the leader changes
+        here: a keyed one from its record's payload, a keyless one from its request index's payload, a
+        content follower as its own identical request."""
+        source = source or gen.request_id  # a content follower moves on when the leader changes
         clock = self.dispatcher.clock
         try:
             while not await mirror.follow(self.store, gen, source, self.settings.lease_s, clock):
                 try:
-                    if key and await self._owner_lost(gen, key):
-                        return
-                    if fallback is not None:
+                    if key:
+                        if await self._owner_lost(gen, key):
+                            return
+                    elif fallback is not None:
                         leader = await self._content_leader(gen, source, fallback)
                         if leader is None:
                             return
                         source = leader
+                    elif await self._replica_lost(gen, source):
+                        return
                 except StoreUnavailable:
                     continue  # ask again after the next quiet spell
                 except ApiError as err:
                     gen.finish(ERROR, clock(), err)
         finally:
-            if (followed := self._mirrors.get(gen.request_id)) is not None and followed.gen is gen:
-                del self._mirrors[gen.request_id]
+            name = (gen.tenant, gen.request_id)
+            if (followed := self._mirrors.get(name)) is not None and followed.gen is gen:
+                del self._mirrors[name]
+
+    async def _replica_lost(self, gen: Generation, name: str) -> bool:
+        """True when the replica computing this keyless request is gone and we continue it here."""
+        info = await self.store.lookup_request(gen.tenant, name)
+        if info is None or info.finished or info.key or await self.store.alive(info.owner):
+            return False
+        epoch = await self.store.take_request(gen.tenant, name, self.journal.owner, info.epoch)
+        if epoch is None:
+            return False  # another replica took it first: its tokens arrive in the same log
+        if not info.payload:
+            gen.finish(ERROR, self.dispatcher.clock(), unavailable(
+                f"the replica computing request {name!r} was lost and left nothing to continue it from; "
+                "send the request again", "REPLICA_LOST"))  # fmt: skip
+            return True
+        request = self.admission.admit(inference_pb2.GenerateRequest.FromString(info.payload), gen.tenant,
+                                       request_id=name)  # fmt: skip
+        await mirror.catch_up(self.store, gen, name)
+        self._mirrors.pop((gen.tenant, gen.request_id), None)
+        self.dispatcher.forget(gen.tenant, name)
+        self.dispatcher.submit(request, gen, TAKEOVER)
+        self.journal.own(gen, name=name, epoch=epoch, payload=info.payload)
+        log.warning("request %s: its replica %s was lost; continued here at epoch %d", name, info.owner, epoch)
+        return True
 
     async def _owner_lost(self, gen: Generation, key: str) -> bool:
         """True when the key's owner let its lease expire and we took the request over."""
@@ -220,10 +252,10 @@ class Dedup:
         await mirror.catch_up(self.store, gen, source)
         if not await self.store.start_request(request.tenant, request.request_id, self.journal.owner):
             raise id_in_use(request.request_id)
-        self._mirrors.pop(gen.request_id, None)
+        self._mirrors.pop((gen.tenant, gen.request_id), None)
         self.observer.on_dedup("content", "takeover", request.request_id)
         self.dispatcher.submit(request, gen, TAKEOVER)
-        self.journal.own(gen, name=request.request_id, content=request.fingerprint, flushed=0)
+        self.journal.own(gen, name=request.request_id, content=request.fingerprint, flushed=0, payload=request.payload)
         return None
 
     async def _take_over(self, record: Record) -> View:
@@ -235,12 +267,13 @@ class Dedup:
             key=record.key,
             request_id=record.request_id,
         )
-        followed = self._mirrors.pop(record.request_id, None)
+        followed = self._mirrors.pop((record.tenant, record.request_id), None)
         gen = followed.gen if followed else Generation(record.request_id, record.tenant, len(request.prompt_ids))
         await mirror.catch_up(self.store, gen)
-        self.dispatcher.forget(record.request_id)
+        self.dispatcher.forget(record.tenant, record.request_id)
         view = self.dispatcher.submit(request, gen, TAKEOVER)
-        self.journal.own(gen, epoch=record.epoch, key=record.key, log=self.store.shared)
+        self.journal.own(gen, epoch=record.epoch, key=record.key, log=self.store.shared,
+                         fingerprint=record.fingerprint, payload=record.payload)  # fmt: skip
         return view
 
     # -- the journal's loops -----------------------------------------------------------------------------
@@ -255,12 +288,21 @@ class Dedup:
                 self.journal.touch()
 
     async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.lease_s / 3)
+        while True:  # beat first: until a replica's first beat, others would take it for dead
             self._fenced(await self.journal.renew())
+            await asyncio.sleep(self.settings.lease_s / 3)
 
-    def _fenced(self, gens: list[Generation]) -> None:
-        """Another replica took these over (our epoch is stale): stop computing them here."""
-        for gen in gens:
-            log.warning("request %s: fenced out (its epoch is stale); stopping it here", gen.request_id)
-            self.dispatcher.abort(gen, CANCELLED)
+    def _fenced(self, fenced: list[Owned]) -> None:
+        """Another replica owns these now (our epoch is stale): stop computing them here, and let their
+        readers here follow the new owner's log."""
+        for o in fenced:
+            gen = o.gen
+            log.warning("request %s: another replica owns it now; following its log here", o.name)
+            self.dispatcher.release(gen)
+            if gen.done:
+                continue
+            view = self.dispatcher.find(gen.tenant, gen.request_id)
+            self._mirrors[(gen.tenant, gen.request_id)] = view or self.dispatcher.register(
+                View(gen.request_id, gen, COALESCED)
+            )
+            self._spawn(self._follow(gen, o.key, None, source=o.name))

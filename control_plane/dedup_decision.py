@@ -84,7 +84,7 @@ CONTENT_COALESCED: Report = ("content", "coalesced")
 class Registry(Protocol):
     """What runs on this replica (control_plane.dispatcher.Dispatcher)."""
 
-    def find(self, request_id: str) -> View | None: ...
+    def find(self, tenant: str, request_id: str) -> View | None: ...
 
     def leader(self, request: Request) -> View | None: ...
 
@@ -101,7 +101,7 @@ class Decider:
         return await (self._keyed(request) if request.key else self._unkeyed(request))
 
     async def _unkeyed(self, request: Request) -> Decision:
-        if self.registry.find(request.request_id) is not None:  # keyed ones leave this to the store
+        if self.registry.find(request.tenant, request.request_id) is not None:  # keyed ones leave this to the store
             return Refuse(id_in_use(request.request_id))
         leader = self.registry.leader(request)
         if leader is not None:
@@ -110,7 +110,7 @@ class Decider:
         if self.store.shared and request.shareable:  # an identical request may run on another replica
             claim = await self._claim_content(request)
             if claim is not None and not claim.leader:
-                here = self.registry.find(claim.request_id)
+                here = self.registry.find(request.tenant, claim.request_id)
                 if here is not None and not here.done:  # it raced us here: read it directly
                     return Attach(here, request.request_id, COALESCED, CONTENT_COALESCED)
                 return Follow(claim.request_id, request.request_id, CONTENT_COALESCED, content=True)
@@ -118,7 +118,10 @@ class Decider:
         indexed = False
         if self.store.shared:  # so that any replica can resume it
             try:
-                if not await self.store.start_request(request.tenant, request.request_id, self.owner):
+                started = await self.store.start_request(
+                    request.tenant, request.request_id, self.owner, payload=request.payload
+                )
+                if not started:
                     return Refuse(id_in_use(request.request_id))
                 indexed = True
             except StoreUnavailable:
@@ -159,7 +162,7 @@ class Decider:
             return Refuse(id_in_use(request_id))
         match res.outcome:
             case Outcome.ATTACH:
-                here = self.registry.find(record.request_id)
+                here = self.registry.find(record.tenant, record.request_id)
                 if here is None:
                     return Follow(record.request_id, record.request_id, ("idempotency", "coalesced"), key=record.key)
                 # Finished here a moment ago, its SUCCESS not yet written: a replay from memory.

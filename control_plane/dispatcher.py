@@ -66,7 +66,7 @@ class Dispatcher:
         self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
         self.tokenizer: Tokenizer | None = None
         self.eos_ids: frozenset[int] = frozenset()
-        self.views: dict[str, View] = {}  # every request here, by id
+        self.views: dict[tuple[str, str], View] = {}  # every request here, by (tenant, request id)
         self.leaders: dict[tuple[str, str], View] = {}  # shareable computations, by (tenant, fingerprint)
         self.running: dict[Generation, tuple[WorkerLink, Sequence]] = {}  # computed here, and where
         self.per_tenant: Counter[tuple[str, str]] = Counter()  # (tenant, pool) -> generations in `running`
@@ -99,8 +99,9 @@ class Dispatcher:
         return next(link.info for link in self.links if link.info is not None)
 
     # -- the registry ------------------------------------------------------------------------------------
-    def find(self, request_id: str) -> View | None:
-        return self.views.get(request_id)
+    def find(self, tenant: str, request_id: str) -> View | None:
+        """A request of `tenant` (request ids are each tenant's own: another tenant's are never seen)."""
+        return self.views.get((tenant, request_id))
 
     def leader(self, request: Request) -> View | None:
         """A computation identical to `request` in flight here (shareable requests only)."""
@@ -108,14 +109,14 @@ class Dispatcher:
         return view if view is not None and not view.gen.done else None
 
     def get(self, request_id: str, tenant: str) -> View:
-        view = self.views.get(request_id)
-        if view is None or view.tenant != tenant:  # never reveal another tenant's request
+        view = self.views.get((tenant, request_id))
+        if view is None:
             raise not_found(f"request {request_id!r} is unknown or expired")
         return view
 
     def register(self, view: View) -> View:
         """Make a request findable by id (a new one, or one mirrored from another replica)."""
-        self.views[view.request_id] = view
+        self.views[(view.tenant, view.request_id)] = view
         return view
 
     def join(self, target: View, request_id: str, outcome: int) -> View:
@@ -125,8 +126,8 @@ class Dispatcher:
         view = View(request_id, target.gen, outcome)
         return view if request_id == target.request_id else self.register(view)
 
-    def forget(self, request_id: str) -> None:
-        self.views.pop(request_id, None)
+    def forget(self, tenant: str, request_id: str) -> None:
+        self.views.pop((tenant, request_id), None)
 
     # -- computations ------------------------------------------------------------------------------------
     def submit(self, request: Request, gen: Generation, outcome: int = MISS) -> View:
@@ -181,11 +182,11 @@ class Dispatcher:
 
     def abort(self, gen: Generation, reason: int, error: ApiError | None = None) -> None:
         """Stop computing `gen` for everyone."""
-        placed = self.running.get(gen)
-        if placed is not None:
-            link, seq = placed
-            link.abort(seq.seq_id)
         self._end(gen, reason, self.clock(), error)
+
+    def release(self, gen: Generation) -> None:
+        """Stop computing `gen` here without finishing it (another replica computes it now)."""
+        self._unplace(gen)
 
     def attach(self, gen: Generation) -> None:
         gen.subscribers += 1
@@ -224,14 +225,20 @@ class Dispatcher:
 
     def _end(self, gen: Generation, reason: int, now: float, error: ApiError | None = None) -> None:
         gen.finish(reason, now, error)
-        placed = self.running.pop(gen, None)
-        if placed is not None:
-            count = (placed[1].tenant, placed[1].pool)
-            self.per_tenant[count] -= 1
-            if not self.per_tenant[count]:
-                del self.per_tenant[count]
+        self._unplace(gen)
         self.observer.on_finish(gen, now)
         self.journal.touch()
+
+    def _unplace(self, gen: Generation) -> None:
+        placed = self.running.pop(gen, None)
+        if placed is None:
+            return
+        link, seq = placed
+        link.abort(seq.seq_id)  # a no-op for a sequence its scheduler ended already
+        count = (seq.tenant, seq.pool)
+        self.per_tenant[count] -= 1
+        if not self.per_tenant[count]:
+            del self.per_tenant[count]
 
     # -- from the worker links ---------------------------------------------------------------------------
     def _on_step(
@@ -290,10 +297,10 @@ class Dispatcher:
             if not gen.done and gen.detached_at is not None and now - gen.detached_at >= grace and not gen.detached_ok:
                 log.info("request %s abandoned for %.0f s: cancelled", gen.request_id, grace)
                 self.abort(gen, CANCELLED)
-        for request_id, view in list(self.views.items()):
+        for name, view in list(self.views.items()):
             gen = view.gen
             if gen.done and gen.finished_at is not None and now - gen.finished_at >= grace and gen.subscribers == 0:
-                del self.views[request_id]
+                del self.views[name]
         for content, view in list(self.leaders.items()):
             if view.gen.done:
                 del self.leaders[content]

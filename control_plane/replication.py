@@ -1,20 +1,26 @@
 """The journal: the shared side of the generations this replica computes (docs/architecture.md, "Fencing").
 
 Token logs are written once per step for all of them in one round trip, records are finished with their
-result, leases are renewed. Every write names (owner, epoch); a refused write means another replica took the
-request over, and the generation is returned as fenced so its caller stops computing it.
+result, leases are renewed, and this replica's liveness is beaten into the store. Every write names (owner,
+epoch). A refused write means one of two things: the store lost the request (Redis restarted without
+persistence), and then it is claimed again at a new epoch and its whole log rewritten, so the computation
+goes on unseen by its callers; or another replica owns it now, and it is returned as fenced.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
 
 from control_plane.config import Settings
 from control_plane.errors import ApiError
 from control_plane.generation import Generation
-from dedup_service import LogAppend, LogEntry, Store, StoreUnavailable
+from dedup_service import LogAppend, LogEntry, Outcome, Store, StoreUnavailable
 from protos.coalesce.v1 import inference_pb2
+
+log = logging.getLogger(__name__)
 
 SERVER_FAULTS = {"UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED", "ABORTED", "DEADLINE_EXCEEDED"}
 SUCCEEDED = (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
@@ -33,6 +39,8 @@ class Owned:
     content: str  # fingerprint whose content lease it holds, "" when none
     log: bool  # write its token log (shared stores only: with one replica the generations are the log)
     flushed: int  # tokens the log has
+    fingerprint: str = ""  # with `payload`: what claiming it again takes, should the store lose it
+    payload: bytes = b""
     processing: bool = False  # its record moved INIT -> PROCESSING
 
 
@@ -52,7 +60,7 @@ class Replicator:
         self.lease_s = settings.lease_s
         self.keep_s = settings.resume_grace_s
         self.retention_s = settings.idempotency_retention_s
-        self.owned: dict[str, Owned] = {}  # by name
+        self.owned: dict[tuple[str, str], Owned] = {}  # by (tenant, name)
         self._dirty = asyncio.Event()
 
     def own(
@@ -65,11 +73,13 @@ class Replicator:
         content: str = "",
         log: bool = True,
         flushed: int | None = None,
+        fingerprint: str = "",
+        payload: bytes = b"",
     ) -> None:
         """Keep `gen`'s shared side; `flushed` is how much of it the log already has (default: all of it)."""
         name = name or gen.request_id
-        done = len(gen.token_ids) if flushed is None else flushed
-        self.owned[name] = Owned(name, gen, epoch, key, content, log, flushed=done if log else 0)
+        done = (len(gen.token_ids) if flushed is None else flushed) if log else 0
+        self.owned[(gen.tenant, name)] = Owned(name, gen, epoch, key, content, log, done, fingerprint, payload)
         self._dirty.set()
 
     def touch(self) -> None:
@@ -82,10 +92,10 @@ class Replicator:
         await self._dirty.wait()
         self._dirty.clear()
 
-    async def flush(self) -> list[Generation]:
+    async def flush(self) -> list[Owned]:
         """One append_many for every owned log with new tokens, then the records of what was admitted or
-        finished. Returns the generations fenced out (another replica owns them now)."""
-        fenced: list[Generation] = []
+        finished. Returns what was fenced out (another replica owns it now)."""
+        fenced: list[Owned] = []
         pending = [o for o in self.owned.values() if o.log and len(o.gen.token_ids) > o.flushed]
         if pending:
             ends = [len(o.gen.token_ids) for o in pending]
@@ -96,28 +106,61 @@ class Replicator:
             for o, ok, end in zip(pending, await self.store.append_many(appends), ends, strict=True):
                 if ok:
                     o.flushed = end
+                elif await self._reclaim(o):
+                    self._dirty.set()  # its log starts again from token 0 at the next turn
                 else:
                     fenced.append(self._fence(o))
         for o in list(self.owned.values()):
             if o.key and o.gen.admitted and not o.processing:
                 o.processing = True
                 await self.store.mark_processing(o.gen.tenant, o.key, self.owner, o.epoch)
-            if o.gen.done and (not o.log or o.flushed == len(o.gen.token_ids)) and self.owned.get(o.name) is o:
+            closing = o.gen.done and (not o.log or o.flushed == len(o.gen.token_ids))
+            if closing and self.owned.get((o.gen.tenant, o.name)) is o:
                 await self._close(o)
         return fenced
 
-    async def renew(self) -> list[Generation]:
-        """Extend the leases of every running generation; returns the ones fenced out."""
+    async def renew(self) -> list[Owned]:
+        """Say this replica is alive and extend the leases of every running generation; returns what was
+        fenced out."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.heartbeat(self.owner, self.lease_s)
         fenced = []
         for o in [o for o in self.owned.values() if not o.gen.done]:
             try:
-                if o.key and not await self.store.renew(o.gen.tenant, o.key, self.owner, o.epoch, self.lease_s):
-                    fenced.append(self._fence(o))
-                elif o.content:
-                    await self.store.renew_content(o.gen.tenant, o.content, o.name, self.lease_s)
+                tenant = o.gen.tenant
+                if o.key and not await self.store.renew(tenant, o.key, self.owner, o.epoch, self.lease_s):
+                    if await self._reclaim(o):
+                        self._dirty.set()
+                    else:
+                        fenced.append(self._fence(o))
+                elif o.content and not await self.store.renew_content(tenant, o.content, o.name, self.lease_s):
+                    claim = await self.store.claim_content(tenant, o.content, o.name, self.owner, self.lease_s)
+                    o.content = o.content if claim.leader else ""  # another identical request leads now
             except StoreUnavailable:
                 continue  # the lease may still hold; try again at the next beat
         return fenced
+
+    async def _reclaim(self, o: Owned) -> bool:
+        """The store refused a write of ours. When it lost the request altogether (a Redis restart without
+        persistence), claim it again at a new epoch and rewrite its log from token 0: True. False when
+        another replica holds it now (a takeover, or a caller's retry that claimed the lost key)."""
+        tenant, store = o.gen.tenant, self.store
+        if o.key:
+            if not o.fingerprint or await store.get(tenant, o.key) is not None:
+                return False
+            res = await store.claim(tenant, o.key, self.owner, o.fingerprint, o.name, self.lease_s, payload=o.payload)
+            if res.outcome is not Outcome.CLAIMED or res.record is None:
+                return False
+            o.epoch, o.processing = res.record.epoch, False
+        else:
+            if await store.lookup_request(tenant, o.name) is not None:
+                return False
+            if not await store.start_request(tenant, o.name, self.owner, payload=o.payload):
+                return False
+            o.epoch = 1
+        log.warning("request %s: the store had lost it; claimed again at epoch %d", o.name, o.epoch)
+        o.flushed = 0
+        return True
 
     async def _close(self, o: Owned) -> None:
         gen = o.gen
@@ -137,11 +180,11 @@ class Replicator:
                 await self.store.fail(
                     gen.tenant, o.key, self.owner, o.epoch, _error_text(gen), self.retention_s, _retryable(gen.error)
                 )
-        del self.owned[o.name]
+        del self.owned[(o.gen.tenant, o.name)]
 
-    def _fence(self, o: Owned) -> Generation:
-        self.owned.pop(o.name, None)
-        return o.gen
+    def _fence(self, o: Owned) -> Owned:
+        self.owned.pop((o.gen.tenant, o.name), None)
+        return o
 
 
 def _entries(o: Owned, end: int) -> list[LogEntry]:

@@ -29,6 +29,6 @@ class Request:
     # Identical in-flight requests may share one computation (greedy or seeded, dedup policy AUTO).
     shareable: bool = False
     key: str = ""  # idempotency key, "" when none
-    # The caller's GenerateRequest as claimed with `key` (request id filled in): a takeover re-runs it.
+    # The caller's GenerateRequest (request id filled in, unknown fields dropped): a takeover re-runs it.
     payload: bytes = b""
     traceparent: str = ""  # the trace the worker links its step spans to

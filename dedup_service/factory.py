@@ -19,4 +19,5 @@ def make_store(url: str, clock: Clock = time.time, *, max_payload_bytes: int = M
         return MemoryStore(clock, max_payload_bytes)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore.from_url(url, clock, max_payload_bytes=max_payload_bytes)
-    raise ValueError(f"unknown store url {url!r}: expected 'memory' or 'redis://host:port/db'")
+    scheme = url.split("://", 1)[0] if "://" in url else url[:16]  # never the rest: it may hold a password
+    raise ValueError(f"unknown store url scheme {scheme!r}: expected 'memory', 'redis://...' or 'rediss://...'")

@@ -173,3 +173,8 @@ async def test_batch_items_run_once_and_again_after_failing_by_their_request(dec
     assert isinstance(again, Lead) and again.epoch > lead.epoch
     await store.succeed("t", again.key, "replica-a", again.epoch, b"", 60)
     assert await decider.decide_item(item, "b", "1") is None  # succeeded: skipped
+
+
+async def test_request_ids_are_each_tenants_own(decider: Decider, registry: Dispatcher) -> None:
+    running(registry, request("r1", tenant="a"))
+    assert await decider.decide(request("r1", fp="other", tenant="b")) == Lead(("content", "miss"))

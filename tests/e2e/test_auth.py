@@ -110,3 +110,17 @@ def test_a_control_plane_with_no_tokens_configured_refuses_to_start() -> None:
         "coalesce control-plane: auth is on but no tokens are configured: set auth.tokens_file or auth.tokens "
         "(docs/security.md), or auth.disabled: true"
     ]
+
+
+def test_two_tenants_may_use_the_same_request_id_at_once(serve: ServeProcess) -> None:
+    with (
+        CoalesceClient(serve.address, "alpha-secret", retry=NO_RETRY) as alice,
+        CoalesceClient(serve.address, "beta-secret", retry=NO_RETRY) as bob,
+    ):
+        mine = alice.generate("alice's words", request_id="shared-id", max_tokens=40, ignore_eos=True, stream=True)
+        first = next(iter(mine))
+        theirs = bob.generate("bob's words", request_id="shared-id", max_tokens=8, ignore_eos=True).result()
+        assert theirs.request_id == "shared-id" and len(theirs.token_ids) == 8
+        rest = alice.resume("shared-id", len(first.token_ids)).result()
+        assert len(first.token_ids) + len(rest.token_ids) == 40  # alice's own generation, not bob's
+        assert bob.resume("shared-id", 0).result().token_ids == theirs.token_ids

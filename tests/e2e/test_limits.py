@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -75,14 +74,14 @@ def test_a_session_that_never_reads_is_held_by_flow_control(serve: ServeProcess)
 
 
 def test_one_tenant_flooding_the_pool_neither_starves_nor_blocks_another(serve: ServeProcess) -> None:
-    firsts: queue.Queue[str] = queue.Queue()
+    waited: list[float] = []  # batch-buffer dwell of each hog request that was accepted
     refused: list[str] = []
 
     def hog(i: int) -> None:
         with CoalesceClient(serve.address, "hog-secret", retry=NO_RETRY) as client:
             try:
-                for _ in client.generate(f"flood {i}", max_tokens=48, ignore_eos=True, stream=True):
-                    firsts.put("hog")
+                for chunk in client.generate(f"flood {i}", max_tokens=48, ignore_eos=True, stream=True):
+                    waited.append(chunk.queue_ms or 0.0)
                     break
             except CoalesceError as err:
                 refused.append(err.reason or "")
@@ -92,15 +91,12 @@ def test_one_tenant_flooding_the_pool_neither_starves_nor_blocks_another(serve: 
         t.start()
     time.sleep(1.0)  # the flood is queued (40 per tenant at most) before the small request arrives
     with CoalesceClient(serve.address, "small-secret", retry=NO_RETRY) as small:
-        firsts.put("sent")
-        result = small.generate("just four", max_tokens=4, ignore_eos=True).result()
-        firsts.put("done")
+        chunks = list(small.generate("just four", max_tokens=4, ignore_eos=True, stream=True))
     for t in threads:
         t.join()
-    order = [firsts.get() for _ in range(firsts.qsize())]
-    assert len(result.token_ids) == 4
-    assert set(refused) == {"TENANT_LIMIT"} and len(refused) >= 20  # 60 sent, at most 40 of them held
-    # Fair admission: the small tenant's request ran in the next batch (4 slots), not after the ~30 hog
-    # requests queued before it: while it ran, at most that one batch of hog requests started.
-    started_meanwhile = order[order.index("sent") : order.index("done")].count("hog")
-    assert started_meanwhile <= 4, order
+    assert sum(len(c.token_ids) for c in chunks) == 4
+    assert refused and set(refused) == {"TENANT_LIMIT"}  # 60 sent, at most 40 of them held at once
+    # Fair admission: arriving behind the flood, the small request joins the next batch instead of waiting
+    # for the flood to drain (FIFO: about half the drain time here). A ratio of times measured in this run.
+    small_wait, drain = chunks[0].queue_ms or 0.0, max(waited) - min(waited)
+    assert small_wait < drain / 4, (small_wait, sorted(waited))
