@@ -1,4 +1,5 @@
-"""A Session: many generations multiplexed on one bidi stream, keyed by the caller's stream_id."""
+"""A Session: many generations multiplexed on one bidi stream, keyed by the caller's stream_id. Its errors carry
+the unary errors' google.rpc details (docs/api.md, "Sessions")."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from control_plane.admission import Metadata, streams, tenant_of
+import grpc
+
+from control_plane.admission import KEY_HEADER, Metadata, streams, tenant_of
 from control_plane.config import Settings
-from control_plane.errors import ApiError, invalid
+from control_plane.errors import ApiError, invalid, out_of_range, stream_id_in_use, stream_not_found
 from control_plane.generation import View
 from protos.coalesce.v1 import inference_pb2
 
@@ -20,21 +23,27 @@ class Service(Protocol):
 
     async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str) -> View: ...
 
-    def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]: ...
+    def follow(
+        self, view: View, offset: int, stream: bool, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]: ...
 
-    async def resume(self, request_id: str, offset: int, tenant: str) -> View: ...
+    async def resume(self, request_id: str, offset: int, tenant: str, prefix: str) -> View: ...
 
-    def cancel(self, request_id: str, tenant: str) -> bool: ...
+    def cancel_view(self, view: View) -> bool: ...
 
 
 class Session:
-    def __init__(self, service: Service, metadata: Metadata | None) -> None:
+    def __init__(self, service: Service, context: grpc.aio.ServicerContext) -> None:
         self.service = service
-        self.metadata = metadata
-        self.tenant = tenant_of(metadata)
+        self.context = context
+        self.metadata = context.invocation_metadata()
+        if any(k == KEY_HEADER for k, _ in self.metadata or ()):  # one call, many generations: one key cannot do
+            raise invalid(KEY_HEADER, "not allowed on a Session call; set generate.request.idempotency_key")
+        self.tenant = tenant_of(self.metadata)
         self.outbox: asyncio.Queue[inference_pb2.SessionResponse | None] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.request_ids: dict[str, str] = {}
+        self.views: dict[str, View] = {}
+        self.sent: dict[str, int] = {}  # completion tokens sent per stream_id: what an ack may acknowledge
 
     async def read(self, requests: AsyncIterator[inference_pb2.SessionRequest]) -> None:
         try:
@@ -44,44 +53,62 @@ class Session:
         finally:
             self.outbox.put_nowait(None)
 
+    def _running(self, sid: str) -> bool:
+        return sid in self.tasks and not self.tasks[sid].done()
+
     async def _handle(self, req: inference_pb2.SessionRequest) -> None:
+        """One message; a refused one gets an error under its stream_id and changes nothing else."""
         sid = req.stream_id
         action = req.WhichOneof("action")
         try:
+            if not sid:
+                raise invalid("stream_id", "must not be empty")
+            if action in ("generate", "resume") and self._running(sid):
+                raise stream_id_in_use(sid, action)
             if action == "generate":
-                if sid in self.tasks and not self.tasks[sid].done():
-                    raise invalid("stream_id", f"{sid!r} is already in use on this session")
                 request = req.generate.request
                 view = await self.service.start(request, self.metadata, prefix="generate.request.")
                 self._spawn(sid, view, 0, streams(request, self.service.settings))
             elif action == "resume":
-                view = await self.service.resume(req.resume.request_id, req.resume.offset, self.tenant)
+                view = await self.service.resume(req.resume.request_id, req.resume.offset, self.tenant, "resume.")
                 self._spawn(sid, view, req.resume.offset, True)
             elif action == "cancel":
-                request_id = self.request_ids.get(sid)
-                if request_id is None:
-                    raise invalid("stream_id", f"{sid!r} names no generation on this session")
-                self.service.cancel(request_id, self.tenant)
-            elif action == "ack":
-                pass  # the log is kept for the resume window whatever the caller acknowledged
+                if sid not in self.views:
+                    raise stream_not_found(sid)
+                self.service.cancel_view(self.views[sid])
+            elif action == "ack":  # the log is kept for the resume window whatever the caller acknowledged
+                if sid not in self.sent:
+                    raise stream_not_found(sid)
+                if req.ack.offset > self.sent[sid]:
+                    raise out_of_range("ack.offset", f"{req.ack.offset} is beyond the {self.sent[sid]} tokens sent "
+                                       "on this stream")  # fmt: skip
             else:
                 raise invalid("action", "set one of generate, cancel, resume, ack")
         except ApiError as err:
-            self._error(sid, err)
+            self._error(sid, err, continues=self._running(sid))
 
     def _spawn(self, sid: str, view: View, offset: int, stream: bool) -> None:
-        self.request_ids[sid] = view.request_id
+        self.views[sid] = view
+        self.sent[sid] = offset
         self.tasks[sid] = asyncio.create_task(self._pump(sid, view, offset, stream))
 
     async def _pump(self, sid: str, view: View, offset: int, stream: bool) -> None:
         try:
-            async for chunk in self.service.follow(view, offset, stream):
+            async for chunk in self.service.follow(view, offset, stream, self.context):
+                self.sent[sid] = chunk.offset + len(chunk.token_ids)
                 self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, chunk=chunk))
         except ApiError as err:
-            self._error(sid, err)
+            self._error(sid, err, continues=False)
 
-    def _error(self, sid: str, err: ApiError) -> None:
-        error = inference_pb2.SessionError(code=err.code.value[0], message=err.message, reason=err.reason)
+    def _error(self, sid: str, err: ApiError, continues: bool) -> None:
+        """`continues`: only the message was refused; the generation under `sid` goes on."""
+        error = inference_pb2.SessionError(
+            code=err.code.value[0],
+            message=err.message,
+            reason=err.reason,
+            details=err.details(),
+            generation_continues=continues,
+        )
         self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, error=error))
 
     async def close(self) -> None:
