@@ -6,6 +6,7 @@ Imports of the heavy parts (torch, grpc servers) happen inside each command, so 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,8 @@ def _add_server_flags(p: argparse.ArgumentParser, port_help: str) -> None:
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="control plane HOST:PORT")
+    default = os.environ.get("COALESCE_ADDRESS", "127.0.0.1:50051")
+    p.add_argument("--address", default=default, help=f"control plane HOST:PORT (COALESCE_ADDRESS; now {default})")
     p.add_argument("--token", help="bearer token (default: $COALESCE_TOKEN, else the local token of `coalesce serve`)")
     p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA (PEM)")
     p.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), when the server requires one")
@@ -162,9 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     p.add_argument("--seed", type=int, help="sampling seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--logprobs", type=int, default=0, help="log-probabilities of each token and N alternatives")
+    p.add_argument("--model", default="", help="model name to check against the served one (default: any)")
+    p.add_argument("--timeout", type=float, help="seconds for the whole generation (default: none)")
     p.add_argument("--idempotency-key", help="retries with the same key run once")
     p.add_argument("--pool", choices=["interactive", "batch"], default="interactive")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--json", action="store_true", help="one JSON object per line (errors too)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("batch", help="submit a batch job (JSON lines: {seq_id, prompt, max_tokens, ...})")

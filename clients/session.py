@@ -132,6 +132,8 @@ class _SessionBase(ABC, Generic[G]):
         if gen is None:
             return []
         if resp.HasField("error"):
+            if resp.error.generation_continues:  # only a message was refused (we send none that can be)
+                return []
             del self._streams[resp.stream_id]
             return [(gen, session_error(resp.error))]
         chunk = chunk_from_proto(resp.chunk)

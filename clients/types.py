@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
 import grpc
+from google.protobuf import any_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
@@ -23,28 +25,29 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 class CoalesceError(Exception):
-    """A failed call: the gRPC status plus the google.rpc details the server attached."""
+    """A failed call: the gRPC status plus the google.rpc details the server attached (ErrorInfo's reason,
+    RetryInfo's delay, BadRequest's (field, description) pairs)."""
 
     def __init__(
-        self, code: grpc.StatusCode, message: str, reason: str | None = None, retry_after: float | None = None
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str | None = None,
+        retry_after: float | None = None,
+        field_violations: list[tuple[str, str]] | None = None,
     ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.reason = reason
         self.retry_after = retry_after
+        self.field_violations = field_violations or []
 
 
-def error_from_rpc(err: grpc.RpcError) -> CoalesceError:
-    """Convert a raised grpc (or grpc.aio) error, reading ErrorInfo and RetryInfo from its trailers."""
-    code: grpc.StatusCode = err.code()
-    message: str = err.details() or ""
+def error_with_details(code: grpc.StatusCode, message: str, details: Iterable[any_pb2.Any]) -> CoalesceError:
     reason = retry_after = None
-    try:
-        status = rpc_status.from_call(err)
-    except ValueError:  # details inconsistent with the status: ignore them, keep code and message
-        status = None
-    for detail in status.details if status is not None else ():
+    violations: list[tuple[str, str]] = []
+    for detail in details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
@@ -53,13 +56,28 @@ def error_from_rpc(err: grpc.RpcError) -> CoalesceError:
             retry = error_details_pb2.RetryInfo()
             detail.Unpack(retry)
             retry_after = retry.retry_delay.ToTimedelta().total_seconds()
-    return CoalesceError(code, message, reason, retry_after)
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations += [(v.field, v.description) for v in bad.field_violations]
+    return CoalesceError(code, message, reason, retry_after, violations)
+
+
+def error_from_rpc(err: grpc.RpcError) -> CoalesceError:
+    """Convert a raised grpc (or grpc.aio) error, reading the google.rpc details from its trailers."""
+    try:
+        status = rpc_status.from_call(err)
+    except ValueError:  # details inconsistent with the status: ignore them, keep code and message
+        status = None
+    return error_with_details(err.code(), err.details() or "", status.details if status is not None else ())
 
 
 def session_error(err: inference_pb2.SessionError) -> CoalesceError:
-    """A SessionError ends one generation of a session; it carries no RetryInfo."""
+    """A SessionError: the same details as a unary call's error."""
     codes = {c.value[0]: c for c in grpc.StatusCode}
-    return CoalesceError(codes.get(err.code, grpc.StatusCode.UNKNOWN), err.message, err.reason or None)
+    error = error_with_details(codes.get(err.code, grpc.StatusCode.UNKNOWN), err.message, err.details)
+    error.reason = error.reason or err.reason or None
+    return error
 
 
 @dataclass(slots=True)
@@ -151,6 +169,8 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     ignore_eos: bool
     logprobs: int
+    model: str
+    resumable: bool
     pool: str
     stream: bool
     idempotency_key: str | None
@@ -170,6 +190,8 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     logprobs: int = 0,
+    model: str = "",
+    resumable: bool = False,
     pool: str = "interactive",
     stream: bool = True,
     idempotency_key: str | None = None,
@@ -196,12 +218,24 @@ def build_request(
         request_id=request_id or "",
         idempotency_key=idempotency_key or "",
         dedup=inference_pb2.DedupPolicy.Value("DEDUP_POLICY_" + dedup.upper()),
+        model=model,
+        resumable=resumable,
     )
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def deadline_of(timeout: float | None) -> float | None:
+    """A call's timeout as a point on the monotonic clock, so every retry and resume shares it."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline: float | None) -> float | None:
+    """The timeout to give the next call (never negative: a spent deadline fails at once)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def with_key(req: inference_pb2.GenerateRequest, retries: bool) -> inference_pb2.GenerateRequest:

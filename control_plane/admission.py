@@ -23,6 +23,7 @@ from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 Metadata = Seq[tuple[str, str | bytes]]
 
+KEY_HEADER = "x-idempotency-key"
 POOL_NAMES = {
     inference_pb2.POOL_UNSPECIFIED: "interactive",
     inference_pb2.POOL_INTERACTIVE: "interactive",
@@ -30,13 +31,26 @@ POOL_NAMES = {
 }
 
 
-def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:
-    """The request's key: its field, else the `x-idempotency-key` header."""
-    key = request.idempotency_key or next((str(v) for k, v in metadata or () if k == "x-idempotency-key"), "")
-    check_idempotency_key(key)
+def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str = "") -> str:
+    """The request's key: its field or the `x-idempotency-key` header (equal when both are set). Errors name
+    where the key came from."""
+    header = next((str(v) for k, v in metadata or () if k == KEY_HEADER), "")
+    field = request.idempotency_key
+    if field and header and field != header:
+        raise invalid(prefix + "idempotency_key", f"differs from the {KEY_HEADER} header: send one key, or the same "
+                      "in both", "IDEMPOTENCY_KEY_MISMATCH")  # fmt: skip
+    where, key = (prefix + "idempotency_key", field) if field else (KEY_HEADER, header)
+    check_idempotency_key(key, where)
     if key.startswith(BATCH_KEY_PREFIX):  # batch items' keys: a caller's key must never collide with one
-        raise invalid("idempotency_key", f"keys starting with {BATCH_KEY_PREFIX!r} are reserved")
+        raise invalid(where, f"keys starting with {BATCH_KEY_PREFIX!r} are reserved")
     return key
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes any token's text has. A token covers at most as many prompt bytes as its text has
+    (byte-level and SentencePiece vocabularies spell a byte with 1 to 6), so a prompt longer than the context
+    times this cannot fit (docs/api.md, "Limits")."""
+    return max((len(token.encode()) for token in tokenizer.get_vocab(with_added_tokens=True)), default=0)
 
 
 def worker_seed(seed: int | None) -> int:
@@ -120,6 +134,7 @@ class Admission:
             fingerprint=self._fingerprint(request, tenant, prompt_ids, max_tokens),
             shareable=request.dedup != inference_pb2.DEDUP_POLICY_OFF and deterministic(request),
             key=key,
+            resumable=bool(key) or request.resumable,
             payload=payload,
             traceparent=traceparent,
         )

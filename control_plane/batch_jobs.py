@@ -70,7 +70,7 @@ class BatchJobs:
         except StoreUnavailable as exc:
             raise store_down(exc) from None
         if not listed:
-            raise not_found(f"batch {batch_id!r} is unknown or expired")
+            raise not_found(f"batch {batch_id!r} is unknown or expired", "BATCH_NOT_FOUND")
         return [item_status(item.seq_id, item.record) for item in listed]
 
     async def watch(self, batch_id: str, tenant: str) -> AsyncIterator[inference_pb2.BatchItemStatus]:

@@ -20,7 +20,7 @@ from control_plane.admission import Admission
 from control_plane.config import Settings
 from control_plane.dedup_decision import Attach, Decider, Decision, Follow, Lead, Refuse, Replay
 from control_plane.dispatcher import Dispatcher
-from control_plane.errors import ApiError, id_in_use, invalid, not_found, store_down, unavailable
+from control_plane.errors import ApiError, id_in_use, invalid, not_found, out_of_range, store_down, unavailable
 from control_plane.generation import Generation, View
 from control_plane.observer import Observer
 from control_plane.replication import Owned, Replicator
@@ -110,10 +110,10 @@ class Dedup:
                 if epoch:
                     self.journal.own(target.gen, name=request.request_id, epoch=epoch, key=request.key, log=False,
                                      fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
-                view = self.dispatcher.join(target, view_id, outcome)
+                view = self.dispatcher.join(target, view_id, outcome, request.resumable)
             case Follow(log_id=log_id, view_id=view_id, key=key, content=content):
                 followed = self._mirror(log_id, request.tenant, key, request if content else None)
-                view = self.dispatcher.join(followed, view_id, COALESCED)
+                view = self.dispatcher.join(followed, view_id, COALESCED, request.resumable)
             case Lead(takeover=None):
                 gen = Generation(request.request_id, request.tenant, prompt_tokens=len(request.prompt_ids))
                 view = self.dispatcher.submit(request, gen)
@@ -134,16 +134,23 @@ class Dedup:
             self.observer.on_dedup(*decision.report, request_id)
 
     # -- Resume ------------------------------------------------------------------------------------------
-    async def resume(self, request_id: str, offset: int, tenant: str) -> View:
+    async def resume(self, request_id: str, offset: int, tenant: str, prefix: str = "") -> View:
+        """The request's view, for reading from `offset`: an offset it can never reach is refused at once."""
         if not request_id:
-            raise invalid("request_id", "must not be empty")
+            raise invalid(prefix + "request_id", "must not be empty")
         view = self.dispatcher.find(tenant, request_id)
         if view is None and self.store.shared:
             view = await self._remote(request_id, tenant)
         if view is None or view.tenant != tenant:
             raise not_found(f"request {request_id!r} is unknown or expired")
-        if offset > len(view.gen.token_ids) and view.gen.done:
-            raise invalid("offset", f"{offset} is beyond the {len(view.gen.token_ids)} tokens generated")
+        end = view.final_length
+        if end is not None and offset > end:
+            raise out_of_range(prefix + "offset", f"{offset} is beyond the {end} tokens of this finished generation")
+        if end is None and view.gen.max_tokens and offset > view.gen.max_tokens:
+            raise out_of_range(prefix + "offset", f"{offset} is beyond the max_tokens of {view.gen.max_tokens} of "
+                               "this generation")  # fmt: skip
+        if end is None and offset > (context := self.admission.limits.max_context):
+            raise out_of_range(prefix + "offset", f"{offset} is beyond the model's context of {context} tokens")
         return view
 
     async def _remote(self, request_id: str, tenant: str) -> View | None:
@@ -166,7 +173,8 @@ class Dedup:
         if existing is not None:
             return existing
         gen = Generation(request_id, tenant, prompt_tokens=0, interest=0)
-        view = self.dispatcher.register(View(request_id, gen, COALESCED))
+        # Another replica computes it: a deadline passing here is no reason to stop it.
+        view = self.dispatcher.register(View(request_id, gen, COALESCED, resumable=True))
         self._mirrors[(tenant, request_id)] = view
         self._spawn(self._follow(gen, key, fallback))
         return view

@@ -117,13 +117,16 @@ class Dispatcher:
     def register(self, view: View) -> View:
         """Make a request findable by id (a new one, or one mirrored from another replica)."""
         self.views[(view.tenant, view.request_id)] = view
+        gen = view.gen
+        if gen.subscribers == 0 and gen.detached_at is None:  # until a reader attaches, nobody reads it
+            gen.detached_at = self.clock()
         return view
 
-    def join(self, target: View, request_id: str, outcome: int) -> View:
+    def join(self, target: View, request_id: str, outcome: int, resumable: bool = False) -> View:
         """Another request reads `target`'s computation from offset 0; the computation goes on while any
         of its readers has not cancelled. Under a new request id it is findable by that id too."""
         target.gen.interest += 1
-        view = View(request_id, target.gen, outcome)
+        view = View(request_id, target.gen, outcome, resumable)
         return view if request_id == target.request_id else self.register(view)
 
     def forget(self, tenant: str, request_id: str) -> None:
@@ -161,7 +164,8 @@ class Dispatcher:
         self._enqueue(link, seq)
         self.running[gen] = (link, seq)
         self.per_tenant[(request.tenant, request.pool)] += 1
-        view = self.register(View(request.request_id, gen, outcome))
+        gen.max_tokens = request.max_tokens
+        view = self.register(View(request.request_id, gen, outcome, request.resumable))
         if request.shareable:
             self.leaders[(request.tenant, request.fingerprint)] = view
         self.observer.on_request(gen, request, self.clock())
@@ -169,10 +173,13 @@ class Dispatcher:
 
     def cancel(self, request_id: str, tenant: str) -> bool:
         """End one request; its computation stops when no other request reads it."""
-        view = self.get(request_id, tenant)
+        return self.cancel_view(self.get(request_id, tenant))
+
+    def cancel_view(self, view: View) -> bool:
+        """End the request `view` stands for, at the tokens it has; False when it had already ended."""
         if view.done:
             return False
-        view.cancelled = True
+        view.cancel()
         gen = view.gen
         gen.interest -= 1
         gen.wake()
@@ -205,7 +212,7 @@ class Dispatcher:
         candidates = [link for link in (links or self.links) if link.scheduler is not None]
         connected = [link for link in candidates if link.connected.is_set()] or candidates
         if not connected:
-            raise unavailable("no worker is connected")
+            raise unavailable("no worker is connected", "NO_WORKER_CONNECTED")
         index = choose_worker(
             [link.scheduler for link in connected],  # type: ignore[misc]
             seq.tokens(),
@@ -221,7 +228,8 @@ class Dispatcher:
         except QueueFull as full:
             raise exhausted(f"the {seq.pool} pool's queue is full", full.retry_after_s) from None
         except TooLarge as err:
-            raise invalid("sampling.max_tokens", f"the request cannot fit the KV cache: {err}") from None
+            problem = f"the request cannot fit the KV cache: {err}"
+            raise invalid("sampling.max_tokens", problem, "KV_CACHE_TOO_SMALL") from None
 
     def _end(self, gen: Generation, reason: int, now: float, error: ApiError | None = None) -> None:
         gen.finish(reason, now, error)
@@ -257,7 +265,8 @@ class Dispatcher:
             gen = event.seq.gen
             if gen is None or self.running.get(gen, (None, None))[1] is not event.seq:
                 continue  # no longer computed by this sequence (aborted, moved)
-            gen.append(event.token, event.text, logprobs.get(event.seq.seq_id))
+            asked = event.seq.sampling.logprobs > 0  # the worker always sends the token's; 0 means none
+            gen.append(event.token, event.text, logprobs.get(event.seq.seq_id) if asked else None)
             self.observer.on_tokens(gen, 1, now)
             if event.finish_reason is not None:
                 self._end(gen, FINISH[event.finish_reason], now)

@@ -10,10 +10,9 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from control_plane.admission import Admission
+from control_plane.admission import Admission, longest_token_bytes
 from control_plane.config import Settings
 from control_plane.dedup import Dedup, new_owner
 from control_plane.dispatcher import Dispatcher
@@ -26,6 +25,7 @@ from control_plane.worker_procs import WorkerProcess, spawn_workers
 from dedup_service import make_store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 from protos.limits import INTERNAL_MESSAGE_BYTES
+from protos.standard_services import add_standard_services
 from security.internal import TOKEN_ENV, new_token
 from security.local_token import TENANT as LOCAL_TENANT
 from security.local_token import ensure_local_token
@@ -58,7 +58,8 @@ async def serve_control_plane(
     await dispatcher.start()
     telemetry.bind(dispatcher)
     assert dispatcher.tokenizer is not None
-    admission = Admission(dispatcher.tokenizer, Limits.of(dispatcher.info, settings), settings)
+    limits = Limits.of(dispatcher.info, settings, longest_token_bytes(dispatcher.tokenizer))
+    admission = Admission(dispatcher.tokenizer, limits, settings)
     dedup = Dedup(dispatcher, store, journal, admission, settings, telemetry.observer)
     dedup.start()
     server = grpc.aio.server(
@@ -70,9 +71,7 @@ async def serve_control_plane(
     )
     service = InferenceService(admission, dedup, dispatcher, store, auth, settings)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(service, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    health_servicer = add_standard_services(server, [SERVICE_NAME])
     address = f"{settings.host}:{settings.port}"
     if settings.tls.enabled:
         port = server.add_secure_port(address, public_server_credentials(settings.tls))

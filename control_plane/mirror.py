@@ -49,7 +49,8 @@ async def follow(store: Store, gen: Generation, source: str, lease_s: float, clo
             if time.monotonic() - quiet_since < lease_s and not gen.token_ids:
                 await asyncio.sleep(LOG_WAIT_S)  # its owner claimed it a moment ago and opens the log now
                 continue
-            gen.finish(inference_pb2.FINISH_REASON_ERROR, clock(), not_found("the request's log expired"))
+            expired = not_found("the request's log expired", "LOG_EXPIRED")
+            gen.finish(inference_pb2.FINISH_REASON_ERROR, clock(), expired)
             return True
         if piece.entries:
             apply_slice(gen, piece)

@@ -29,6 +29,8 @@ class Request:
     # Identical in-flight requests may share one computation (greedy or seeded, dedup policy AUTO).
     shareable: bool = False
     key: str = ""  # idempotency key, "" when none
+    # Kept running when its caller's deadline passes: it has a key or asked for it (docs/api.md, "Deadlines").
+    resumable: bool = False
     # The caller's GenerateRequest (request id filled in, unknown fields dropped): a takeover re-runs it.
     payload: bytes = b""
     traceparent: str = ""  # the trace the worker links its step spans to

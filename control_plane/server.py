@@ -1,5 +1,5 @@
 """The public gRPC edge: InferenceService. Each RPC is one short method: admission builds the request record,
-dedup decides and acts, the view streams the tokens (docs/architecture.md, "A request's life")."""
+dedup decides and acts, the view streams the tokens (docs/architecture.md, "A request's life"; docs/api.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from control_plane.admission import Admission, Metadata, idempotency_key, streams
-from control_plane.batch_jobs import BatchJobs
+from control_plane.batch_jobs import MAX_ITEMS, BatchJobs
 from control_plane.config import Settings
 from control_plane.dedup import Dedup
 from control_plane.dispatcher import Dispatcher
@@ -17,6 +17,7 @@ from control_plane.errors import ApiError, invalid, unauthenticated
 from control_plane.generation import View
 from control_plane.session import Session
 from control_plane.telemetry.tracing import current_traceparent
+from control_plane.validation import MAX_KEY_BYTES, MAX_LOGPROBS, MAX_REQUEST_ID_CHARS, MAX_STOP_BYTES
 from dedup_service import Store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 from security.tokens import Authenticator, Unauthenticated
@@ -25,6 +26,16 @@ from security.tokens import Authenticator, Unauthenticated
 def traceparent_of(metadata: Metadata | None) -> str:
     """The trace context workers link their step spans to: our server span (when tracing is on)."""
     return current_traceparent() or next((str(v) for k, v in metadata or () if k == "traceparent"), "")
+
+
+# The server's deadline is the client's plus the time the request took to arrive, so the client's own cancel
+# at its deadline lands a little before ours: a call that ends this close to its deadline has expired.
+DEADLINE_SLACK_S = 0.5
+
+
+def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
@@ -55,21 +66,29 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GenerateRequest, tenant: str, metadata: Metadata | None, prefix: str = ""
     ) -> View:
         """Admit a GenerateRequest and open the caller's view of it."""
-        key = idempotency_key(request, metadata)
+        key = idempotency_key(request, metadata, prefix)
         admitted = self.admission.admit(request, tenant, key, traceparent_of(metadata), prefix)
         return await self.dedup.open(admitted)
 
-    async def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """The view's chunks from `offset`, counted as a reader (the resume grace period starts without one)."""
+    async def follow(
+        self, view: View, offset: int, stream: bool, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The view's chunks from `offset`, counted as a reader (the resume grace period starts without one).
+        A caller whose deadline passed will not come back: its request is cancelled unless it is resumable."""
         self.dispatcher.attach(view.gen)
         try:
             async for chunk in view.follow(offset, stream):
                 yield chunk
         finally:
             self.dispatcher.detach(view.gen)
+            if deadline_passed(context) and not view.resumable:
+                self.dispatcher.cancel_view(view)
 
-    async def resume(self, request_id: str, offset: int, tenant: str) -> View:
-        return await self.dedup.resume(request_id, offset, tenant)
+    async def resume(self, request_id: str, offset: int, tenant: str, prefix: str = "") -> View:
+        return await self.dedup.resume(request_id, offset, tenant, prefix)
+
+    def cancel_view(self, view: View) -> bool:
+        return self.dispatcher.cancel_view(view)
 
     def cancel(self, request_id: str, tenant: str) -> bool:
         if not request_id:
@@ -83,7 +102,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         try:
             view = await self.start(request, self.tenant(context), context.invocation_metadata())
             await context.send_initial_metadata((("x-request-id", view.request_id),))
-            async for chunk in self.follow(view, 0, streams(request, self.settings)):
+            async for chunk in self.follow(view, 0, streams(request, self.settings), context):
                 yield chunk
         except ApiError as err:
             await err.abort(context)
@@ -93,7 +112,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.ResumeResponse]:
         try:
             view = await self.resume(request.request_id, request.offset, self.tenant(context))
-            async for chunk in self.follow(view, request.offset, True):
+            async for chunk in self.follow(view, request.offset, True, context):
                 yield inference_pb2.ResumeResponse(chunk=chunk)
         except ApiError as err:
             await err.abort(context)
@@ -115,7 +134,19 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             self.tenant(context)
         except ApiError as err:
             await err.abort(context)
-        info = self.dispatcher.info
+        info, s = self.dispatcher.info, self.settings
+        limits = inference_pb2.RequestLimits(
+            max_request_bytes=s.max_request_bytes,
+            max_prompt_bytes=self.admission.limits.max_prompt_bytes,
+            max_stop_strings=s.max_stop_strings,
+            max_stop_bytes=MAX_STOP_BYTES,
+            max_logprobs=MAX_LOGPROBS,
+            default_max_tokens=s.default_max_tokens,
+            max_request_id_chars=MAX_REQUEST_ID_CHARS,
+            max_idempotency_key_bytes=MAX_KEY_BYTES,
+            max_batch_items=MAX_ITEMS,
+            resume_grace_s=s.resume_grace_s,
+        )
         return inference_pb2.GetModelInfoResponse(
             model=info.model_name,
             architecture=info.architecture,
@@ -123,6 +154,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             max_context=info.max_context,
             eos_token_ids=info.eos_token_ids,
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
+            limits=limits,
         )
 
     async def SubmitBatch(
@@ -157,9 +189,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.SessionResponse]:
         try:
-            session = Session(self, self.tenant(context), context.invocation_metadata())
+            session = Session(self, self.tenant(context), context)
         except ApiError as err:
             await err.abort(context)
+            return
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while (message := await session.outbox.get()) is not None:

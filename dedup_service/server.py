@@ -17,14 +17,13 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from dedup_service.factory import make_store
 from dedup_service.model import RUNNING, Record, RequestInfo, State, StoreUnavailable
 from dedup_service.store import Store
 from protos.coalesce.v1 import dedup_pb2, dedup_pb2_grpc, inference_pb2
+from protos.standard_services import add_standard_services
 
 T = TypeVar("T")
 
@@ -162,11 +161,7 @@ async def serve_dedup(
     """
     server = grpc.aio.server()
     dedup_pb2_grpc.add_DedupServiceServicer_to_server(DedupServicer(store), server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    health = add_standard_services(server, [SERVICE_NAME])
     bound = server.add_insecure_port(_address(host, port))
     await server.start()
     for name in ("", SERVICE_NAME):

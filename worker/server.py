@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
+from protos.standard_services import add_standard_services
 from worker.config import WorkerSettings
 from worker.engine import Engine, StepError
 from worker.pipeline import StepPipeline
@@ -108,12 +108,9 @@ async def serve_worker(
     then reports SERVING and calls `on_ready(bound_port)`.
     """
     service = WorkerService(spans=StepSpans.from_env())
-    health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
+    health_servicer = add_standard_services(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     await server.start()
     try:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 from dedup_clock import Clock
+from grpc_checks import check_standard_services
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -162,6 +163,12 @@ async def test_serve_dedup_with_health_and_reflection() -> None:
         async for response in reflect.ServerReflectionInfo(iter([request])):
             names = {s.name for s in response.list_services_response.service}
             assert "coalesce.v1.DedupService" in names
+
+    def standard() -> None:
+        with grpc.insecure_channel(address) as sync_channel:
+            check_standard_services(sync_channel, "coalesce.v1.DedupService")
+
+    await asyncio.to_thread(standard)
     stop.set()
     await asyncio.wait_for(serving, 10)
 
