@@ -15,7 +15,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from protos.coalesce.v1 import common_pb2, inference_pb2
-from protos.limits import INTERNAL_MESSAGE_BYTES
+from rpc.limits import INTERNAL_MESSAGE_BYTES
 from security.local_token import read_local_token
 from security.tls import client_channel_credentials
 

@@ -24,12 +24,12 @@ from control_plane.validation import Limits
 from control_plane.worker_procs import WorkerProcess, spawn_workers
 from dedup_service import make_store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
-from protos.limits import INTERNAL_MESSAGE_BYTES
-from protos.standard_services import add_standard_services
+from rpc.limits import INTERNAL_MESSAGE_BYTES
+from rpc.malformed import TolerantDecoding
+from rpc.standard_services import add_standard_services
 from security.internal import TOKEN_ENV, new_token
 from security.local_token import TENANT as LOCAL_TENANT
 from security.local_token import ensure_local_token
-from security.malformed import TolerantDecoding
 from security.settings import AuthSettings, ConfigError
 from security.tls import public_server_credentials
 from security.tokens import Authenticator, digest

@@ -22,7 +22,7 @@ from control_plane.config import Settings
 from control_plane.errors import ApiError, exhausted, invalid, out_of_range, stream_id_in_use, stream_not_found
 from control_plane.generation import View
 from protos.coalesce.v1 import inference_pb2
-from security.malformed import Malformed
+from rpc.malformed import Malformed
 
 ENDED_KEPT = 4096
 

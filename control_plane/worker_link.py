@@ -25,7 +25,7 @@ from control_plane.scheduler import MAX_INFLIGHT, Scheduler
 from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
-from protos.limits import INTERNAL_CHANNEL_OPTIONS
+from rpc.limits import INTERNAL_CHANNEL_OPTIONS
 from security.internal import call_metadata
 from security.tls import internal_channel_credentials
 

@@ -23,7 +23,7 @@ from dedup_service.factory import make_store
 from dedup_service.model import RUNNING, Record, RequestInfo, State, StoreUnavailable
 from dedup_service.store import Store
 from protos.coalesce.v1 import dedup_pb2, dedup_pb2_grpc, inference_pb2
-from protos.standard_services import add_standard_services
+from rpc.standard_services import add_standard_services
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
-from protos.standard_services import add_standard_services
+from rpc.standard_services import add_standard_services
 from worker.config import WorkerSettings
 from worker.engine import Engine, StepError
 from worker.pipeline import StepPipeline

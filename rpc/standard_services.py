@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 # Written by scripts/gen_protos.py: every coalesce.v1 file and its imports, with source info.
-DESCRIPTOR_SET = Path(__file__).resolve().parent / "coalesce" / "v1" / "descriptors.binpb"
+DESCRIPTOR_SET = Path(__file__).resolve().parent.parent / "protos" / "coalesce" / "v1" / "descriptors.binpb"
 HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_V1ALPHA = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
