@@ -14,6 +14,7 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["smollm2_fixtures"]  # SmolLM2's converted cache and transformers reference, once per session
 
 # What a test passes to start a server: functions that add servicers to it (grpc's `add_*_to_server`).
 AddServicers = Callable[[grpc.aio.Server], None]
