@@ -61,13 +61,20 @@ def build_spec(
 ) -> GenerationSpec:
     """Validate and tokenize; raises ApiError (INVALID_ARGUMENT) naming the bad field."""
     validate_generate(request, limits, prefix)
-    if request.WhichOneof("prompt") == "text":
+    s = request.sampling
+    end_of_turn: list[int] = []
+    which = request.WhichOneof("prompt")
+    if which == "text":
         prompt_ids = tokenizer.encode(request.text).ids
         if not prompt_ids:
             raise invalid(prefix + "text", "tokenizes to no tokens")
+    elif which == "messages":
+        assert limits.chat is not None  # validate_generate said so
+        turns = [(m.role, m.content) for m in request.messages.messages]
+        prompt_ids = limits.chat.prompt_ids(turns, tokenizer, prefix + "messages")
+        end_of_turn = [] if s.ignore_eos else [i for i in limits.chat.end_of_turn_ids if i not in s.stop_token_ids]
     else:
         prompt_ids = list(request.token_ids.ids)
-    s = request.sampling
     max_tokens = resolve_max_tokens(len(prompt_ids), s.max_tokens, limits, prefix)
     sampling = worker_pb2.WorkerSampling(
         temperature=s.temperature,
@@ -84,7 +91,7 @@ def build_spec(
         pool=pool_of(request),
         sampling=sampling,
         stop=list(s.stop),
-        stop_token_ids=list(s.stop_token_ids),
+        stop_token_ids=[*s.stop_token_ids, *end_of_turn],
         ignore_eos=s.ignore_eos,
         traceparent=traceparent,
     )

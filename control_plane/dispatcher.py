@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from control_plane.chat import ChatTemplate
 from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
@@ -103,6 +104,7 @@ class Dispatcher:
             max_context=info.max_context,
             default_max_tokens=self.settings.default_max_tokens,
             max_stop_strings=self.settings.max_stop_strings,
+            chat=ChatTemplate.for_model(info.chat_template, info.special_tokens, self.tokenizer, info.eos_token_ids),
         )
 
     async def stop(self) -> None:

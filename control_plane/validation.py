@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from control_plane.chat import ChatTemplate, message_violations
 from control_plane.errors import ApiError, invalid, invalid_fields
 from protos.coalesce.v1 import inference_pb2
 
@@ -25,6 +26,7 @@ class Limits:
     max_context: int
     default_max_tokens: int
     max_stop_strings: int
+    chat: ChatTemplate | None = None  # None: the model has no chat template
 
 
 def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix: str = "") -> None:
@@ -32,7 +34,7 @@ def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix
     v: list[tuple[str, str]] = []
     which = req.WhichOneof("prompt")
     if which is None:
-        v.append((prefix + "prompt", "set either text or token_ids"))
+        v.append((prefix + "prompt", "set one of text, token_ids or messages"))
     elif which == "text" and not req.text:
         v.append((prefix + "text", "must not be empty"))
     elif which == "token_ids":
@@ -41,6 +43,9 @@ def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix
         bad = next((i for i, t in enumerate(req.token_ids.ids) if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             v.append((f"{prefix}token_ids.ids[{bad}]", f"{req.token_ids.ids[bad]} is outside [0, {limits.vocab_size})"))
+    elif which == "messages":
+        turns = [(m.role, m.content) for m in req.messages.messages]
+        v += message_violations(turns, limits.chat, prefix + "messages")
     s = req.sampling
     sp = prefix + "sampling."
     if not (math.isfinite(s.temperature) and 0 <= s.temperature <= MAX_TEMPERATURE):
