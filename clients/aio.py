@@ -22,11 +22,13 @@ from clients.types import (
     Chunk,
     CoalesceError,
     GenerateOptions,
+    Message,
     Metadata,
     Result,
     batch_items,
     build_request,
     call_metadata,
+    chat_messages,
     chunk_from_proto,
     collect,
     error_from_rpc,
@@ -128,11 +130,18 @@ class AsyncCoalesceClient:
         return call_metadata(self._token, request.idempotency_key if request is not None else "")
 
     def generate(
-        self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Unpack[GenerateOptions]
+        self,
+        prompt: str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest,
+        **options: Unpack[GenerateOptions],
     ) -> AsyncGeneration:
         """Start a generation (options as `build_request`'s); nothing is sent until it is iterated."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
         return AsyncGeneration(self, with_key(request, self.retry.enabled), resume_from=None)
+
+    def chat(self, messages: Iterable[Message], **options: Unpack[GenerateOptions]) -> AsyncGeneration:
+        """A reply to a conversation ({"role": "user", "content": "..."} dicts or (role, content) pairs), rendered by
+        the server through the model's chat template; it stops at the model's end-of-turn token."""
+        return self.generate(chat_messages(messages), **options)
 
     def resume(self, request_id: str, offset: int) -> AsyncGeneration:
         return AsyncGeneration(self, inference_pb2.GenerateRequest(request_id=request_id), resume_from=offset)

@@ -20,11 +20,13 @@ from clients.types import (
     Chunk,
     CoalesceError,
     GenerateOptions,
+    Message,
     Metadata,
     Result,
     batch_items,
     build_request,
     call_metadata,
+    chat_messages,
     chunk_from_proto,
     collect,
     error_from_rpc,
@@ -134,12 +136,19 @@ class CoalesceClient:
         return call_metadata(self._token, request.idempotency_key if request is not None else "")
 
     def generate(
-        self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Unpack[GenerateOptions]
+        self,
+        prompt: str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest,
+        **options: Unpack[GenerateOptions],
     ) -> Generation:
         """Start a generation; options are `build_request`'s (max_tokens, temperature, seed, stop, pool,
         stream, idempotency_key, request_id, dedup, ...). Nothing is sent until the first chunk is read."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
         return Generation(self, with_key(request, self.retry.enabled), resume_from=None)
+
+    def chat(self, messages: Iterable[Message], **options: Unpack[GenerateOptions]) -> Generation:
+        """A reply to a conversation ({"role": "user", "content": "..."} dicts or (role, content) pairs), rendered by
+        the server through the model's chat template; it stops at the model's end-of-turn token."""
+        return self.generate(chat_messages(messages), **options)
 
     def resume(self, request_id: str, offset: int) -> Generation:
         """The rest of a generation from `offset` (itself resumed again if its stream breaks)."""

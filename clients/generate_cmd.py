@@ -11,7 +11,7 @@ import grpc
 
 from clients.cli import CommandError
 from clients.client import CoalesceClient
-from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect
+from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, chat_messages, collect
 
 
 def usage_json(usage: Usage | None) -> dict[str, int] | None:
@@ -74,9 +74,15 @@ def run(args: argparse.Namespace) -> None:
     }
     out = sys.stdout
     chunks: list[Chunk] = []
+    prompt = args.prompt
+    if args.chat:  # one user turn (after an optional system turn), rendered by the server's chat template
+        turns = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        prompt = chat_messages(turns)
+    elif args.system:
+        raise CommandError("--system needs --chat", 2)
     try:
         with CoalesceClient(args.address, args.token) as client:
-            for chunk in client.generate(args.prompt, **options):
+            for chunk in client.generate(prompt, **options):
                 chunks.append(chunk)
                 if not args.json:
                     out.write(chunk.text)

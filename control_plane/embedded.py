@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 DRAIN_S = 10.0
-BUILTIN_NOTE = "note: the built-in model's output is noise; `--model DIR` loads a Hugging Face checkpoint"
+BUILTIN_NOTE = (
+    "note: the built-in model's output is noise; `--model smollm2`, a .gguf file or a checkpoint directory loads a "
+    "real model"
+)
 
 
 async def serve_control_plane(
@@ -105,7 +108,7 @@ def run_serve(settings: Settings, demo: bool = False) -> None:
             info = dispatcher.info
             print(
                 f"coalesce serving {info.model_name} on {settings.host}:{port} "
-                f"({len(workers)} worker(s), {info.device}); Ctrl-C stops",
+                f"({len(workers)} worker(s), {info.device}, {info.dtype}); Ctrl-C stops",
                 flush=True,
             )
             if info.model_name == "builtin":
@@ -115,8 +118,15 @@ def run_serve(settings: Settings, demo: bool = False) -> None:
 
                 await run_demo(f"{settings.host}:{port}")
 
+        serving = asyncio.create_task(serve_control_plane(settings, [w.address for w in workers], ready, stop))
         try:
-            await serve_control_plane(settings, [w.address for w in workers], ready, stop)
+            await asyncio.wait({serving, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            if supervisor.done():  # a worker exited for bad input (it printed why): stop, do not wait for it
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+                supervisor.result()
+            await serving
         finally:
             supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
