@@ -101,7 +101,7 @@ LAYER_NAMES = {
 
 def llama_to_gguf(model: torch.nn.Module, path: Path, qtype: GGMLQuantizationType = Q.F32) -> Path:
     """A transformers LlamaForCausalLM as a GGUF file: 2-D weights in `qtype`, norms in F32."""
-    cfg = model.config
+    cfg: Any = model.config
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     tensors = {}
     for name, t in model.state_dict().items():

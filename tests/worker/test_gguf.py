@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from worker.runner import ModelRunner
 CPU, FP32 = torch.device("cpu"), torch.float32
 ROOT = Path(__file__).resolve().parents[2]
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
-TINY_LLAMA = {
+TINY_LLAMA: dict[str, Any] = {
     "vocab_size": 300,
     "hidden_size": 96,
     "intermediate_size": 160,
@@ -68,7 +69,8 @@ def test_dequantize_matches_numpy_reference(tmp_path: Path, qtype: GGMLQuantizat
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     """A random transformers Llama (untied LM head) and its float32 GGUF conversion."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa"))
+    config = transformers.LlamaConfig(**TINY_LLAMA)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
