@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from worker.loaded import LoadedModel, build_model
-from worker.model import ModelConfig, Transformer
+from worker.loaded import LoadedModel, build_model, meta_transformer
+from worker.model import ModelConfig
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 BOS_ID, EOS_ID = 256, 257  # after the 256 byte tokens, whose ids are their byte values
@@ -63,8 +63,7 @@ def byte_tokenizer() -> Tokenizer:
 def random_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Float32 weights drawn on the CPU from a seeded generator, in a fixed order: norms 1, the rest N(0, std)."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {name: t.shape for name, t in Transformer(config).state_dict().items()}
+    shapes = {name: t.shape for name, t in meta_transformer(config).state_dict().items()}
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
