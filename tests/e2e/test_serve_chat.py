@@ -74,14 +74,19 @@ def test_concurrent_greedy_chat_equals_transformers(serve: ServeProcess, smollm2
 
     tokens = asyncio.run(ours())
     tokenizer, model = smollm2_hf
-    for question, got in zip(QUESTIONS, tokens, strict=True):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=False
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=False)
+        for q in QUESTIONS
+    ]
+    width = max(len(p) for p in prompts)  # one left-padded batch: 32 steps instead of 8 x 32
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=2, pad_token_id=2
         )
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=2)
-        assert got == out[0, len(ids) :].tolist(), question
-        assert len(got) == 32
+    for question, got, row in zip(QUESTIONS, tokens, out[:, width:].tolist(), strict=True):
+        assert got == row[: len(got)] and len(got) == 32, question
 
 
 def test_chat_in_a_session_and_in_a_batch(serve: ServeProcess) -> None:
