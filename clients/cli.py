@@ -62,13 +62,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args, host=args.host, port=args.port, workers=args.workers, metrics_port=args.metrics_port, store=args.store
     )
     settings.worker = settings.worker.model_copy(update=_worker_overrides(args))
-    run = _component("control_plane.embedded", "run_serve", "`coalesce serve`")
-    from control_plane.worker_procs import WorkerStartError
+    from control_plane.worker_procs import WorkerStartError, spawn_workers
 
+    # Workers first: they load their model while this process imports the control plane.
+    workers = spawn_workers(settings.worker, settings.workers)
     try:
-        run(settings, demo=args.demo)
+        run = _component("control_plane.embedded", "run_serve", "`coalesce serve`")
+        run(settings, demo=args.demo, workers=workers)
     except WorkerStartError as exc:
         raise CommandError(f"{exc} (its error is above)", 2) from None
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def cmd_control_plane(args: argparse.Namespace) -> None:

@@ -94,10 +94,12 @@ async def _supervise(workers: list[WorkerProcess]) -> None:
             w.ensure_running()
 
 
-def run_serve(settings: Settings, demo: bool = False) -> None:
-    """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
+def run_serve(settings: Settings, demo: bool = False, workers: list[WorkerProcess] | None = None) -> None:
+    """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve. `workers`:
+    already spawned (the CLI starts them before importing this module, so models load meanwhile)."""
     configure_logging(settings.log_format)
-    workers = spawn_workers(settings.worker, settings.workers)
+    if workers is None:
+        workers = spawn_workers(settings.worker, settings.workers)
 
     async def main() -> None:
         stop = asyncio.Event()
