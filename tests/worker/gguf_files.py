@@ -100,9 +100,11 @@ LAYER_NAMES = {
 
 
 def llama_to_gguf(model: torch.nn.Module, path: Path, qtype: GGMLQuantizationType = Q.F32) -> Path:
-    """A transformers LlamaForCausalLM as a GGUF file: 2-D weights in `qtype`, norms in F32."""
+    """A transformers LlamaForCausalLM (or Qwen2ForCausalLM) as a GGUF file: 2-D weights in `qtype`, norms and
+    biases in F32. Llama's q/k rows are permuted as llama.cpp's converter does; Qwen2's are not."""
     cfg: Any = model.config
-    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if arch == "llama" else {}
     tensors = {}
     for name, t in model.state_dict().items():
         w = t.float().numpy()
@@ -124,4 +126,4 @@ def llama_to_gguf(model: torch.nn.Module, path: Path, qtype: GGMLQuantizationTyp
         tensors[gguf_name] = (w, qtype if w.ndim == 2 else Q.F32)
     hf = cfg.to_dict()
     hf["rope_theta"] = cfg.rope_parameters["rope_theta"]
-    return write_gguf(path, tensors, "llama", hf, vocab_size=cfg.vocab_size)
+    return write_gguf(path, tensors, arch, hf, vocab_size=cfg.vocab_size)

@@ -95,6 +95,25 @@ def test_tiny_llama_gguf_has_transformers_logits(
         hf.check_against_hf(model, s, new_tokens=8)
 
 
+def test_tiny_qwen2_gguf_has_transformers_logits(hf: ModuleType, tmp_path: Path) -> None:
+    """qwen2: q/k/v biases, tied embeddings, no q/k permutation."""
+    torch.manual_seed(1)
+    config = transformers.Qwen2Config(**{**TINY_LLAMA, "tie_word_embeddings": True, "use_sliding_window": False})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+    model = model.float().eval()
+    path = llama_to_gguf(model, tmp_path / "tiny-qwen2.gguf")
+    loaded = load_model(str(path), CPU, FP32, cache_dir=tmp_path, log=io.StringIO())
+    assert loaded.architecture == "Qwen2ForCausalLM" and loaded.config.qkv_bias and loaded.config.tie_word_embeddings
+    seqs = [hf.Seq(i, [(5 * i + 11 * j) % 300 for j in range(n)], n) for i, n in enumerate([9, 33])]
+    hf.Driver(ModelRunner(loaded, num_blocks=32, block_size=16, device=CPU, dtype=FP32)).run(seqs, new_tokens=8)
+    for s in seqs:
+        hf.check_against_hf(model, s, new_tokens=8)
+
+
 def test_quantized_gguf_equals_transformers_gguf_loading(
     tiny_llama: tuple[torch.nn.Module, Path], tmp_path: Path
 ) -> None:
