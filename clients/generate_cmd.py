@@ -12,7 +12,7 @@ import grpc
 
 from clients.client import CoalesceClient
 from clients.command_error import CommandError
-from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect, tls_of
+from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, chat_messages, collect, tls_of
 from protos.coalesce.v1 import common_pb2
 
 
@@ -102,9 +102,15 @@ def run(args: argparse.Namespace) -> None:
     }
     out = sys.stdout
     chunks: list[Chunk] = []
+    prompt = args.prompt
+    if args.chat:  # one user turn (after an optional system turn), rendered by the server's chat template
+        turns = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        prompt = chat_messages(turns)
+    elif args.system:
+        raise CommandError("--system needs --chat", 2)
     try:
         with CoalesceClient(args.address, args.token, tls=tls_of(args)) as client:
-            for chunk in client.generate(args.prompt, timeout=args.timeout, **options):
+            for chunk in client.generate(prompt, timeout=args.timeout, **options):
                 chunks.append(chunk)
                 if not args.json:
                     out.write(chunk.text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -22,6 +22,8 @@ from security.tls import client_channel_credentials
 # Batch results can be big: receive up to the internal limit, well above gRPC's 4 MiB default.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES)]
 Metadata = tuple[tuple[str, str], ...]
+# A chat turn: {"role": ..., "content": ...}, a (role, content) pair, or the proto message.
+Message = Mapping[str, str] | tuple[str, str] | inference_pb2.ChatMessage
 
 
 class CoalesceError(Exception):
@@ -178,8 +180,21 @@ class GenerateOptions(TypedDict, total=False):
     dedup: str
 
 
+def chat_messages(messages: Iterable[Message]) -> inference_pb2.ChatMessages:
+    """The `messages` prompt of a GenerateRequest."""
+    turns = []
+    for m in messages:
+        if isinstance(m, inference_pb2.ChatMessage):
+            turns.append(m)
+        elif isinstance(m, tuple):
+            turns.append(inference_pb2.ChatMessage(role=m[0], content=m[1]))
+        else:
+            turns.append(inference_pb2.ChatMessage(role=m["role"], content=m["content"]))
+    return inference_pb2.ChatMessages(messages=turns)
+
+
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | inference_pb2.ChatMessages,
     *,
     max_tokens: int = 0,
     temperature: float = 0,
@@ -198,8 +213,9 @@ def build_request(
     request_id: str | None = None,
     dedup: str = "auto",
 ) -> inference_pb2.GenerateRequest:
-    """A GenerateRequest from keyword arguments; pool and dedup are names ("batch", "off"). Validation is
-    the server's job; this only rejects what cannot be encoded."""
+    """A GenerateRequest from keyword arguments; pool and dedup are names ("batch", "off"). The prompt is text,
+    token ids, or a conversation (`chat_messages(...)`). Validation is the server's job; this only rejects what
+    cannot be encoded."""
     sampling = inference_pb2.SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -223,6 +239,8 @@ def build_request(
     )
     if isinstance(prompt, str):
         req.text = prompt
+    elif isinstance(prompt, inference_pb2.ChatMessages):
+        req.messages.CopyFrom(prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req

@@ -96,13 +96,22 @@ class Admission:
     ) -> Request:
         """Validate and tokenize; raises ApiError (INVALID_ARGUMENT) naming the bad field."""
         validate_generate(request, self.limits, prefix)
-        if request.WhichOneof("prompt") == "text":
+        s = request.sampling
+        stop_token_ids = list(s.stop_token_ids)
+        which = request.WhichOneof("prompt")
+        if which == "text":
             prompt_ids = self.tokenizer.encode(request.text).ids
             if not prompt_ids:
                 raise invalid(prefix + "text", "tokenizes to no tokens")
+        elif which == "messages":  # rendered through the model's chat template; stops at the end of the turn
+            chat = self.limits.chat
+            assert chat is not None  # validate_generate said so
+            turns = [(m.role, m.content) for m in request.messages.messages]
+            prompt_ids = chat.prompt_ids(turns, self.tokenizer, prefix + "messages")
+            if not s.ignore_eos:
+                stop_token_ids += [i for i in chat.end_of_turn_ids if i not in stop_token_ids]
         else:
             prompt_ids = list(request.token_ids.ids)
-        s = request.sampling
         max_tokens = resolve_max_tokens(len(prompt_ids), s.max_tokens, self.limits, prefix)
         request_id = request_id or request.request_id or uuid.uuid4().hex
         # What a takeover re-runs, kept in the store (with a key, for its retention): the request as claimed,
@@ -129,9 +138,9 @@ class Admission:
                 logprobs=s.logprobs,
             ),
             stop=list(s.stop),
-            stop_token_ids=list(s.stop_token_ids),
+            stop_token_ids=stop_token_ids,
             ignore_eos=s.ignore_eos,
-            fingerprint=self._fingerprint(request, tenant, prompt_ids, max_tokens),
+            fingerprint=self._fingerprint(request, tenant, prompt_ids, max_tokens, stop_token_ids),
             shareable=request.dedup != inference_pb2.DEDUP_POLICY_OFF and deterministic(request),
             key=key,
             resumable=bool(key) or request.resumable,
@@ -140,7 +149,12 @@ class Admission:
         )
 
     def _fingerprint(
-        self, request: inference_pb2.GenerateRequest, tenant: str, prompt_ids: list[int], max_tokens: int
+        self,
+        request: inference_pb2.GenerateRequest,
+        tenant: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        stop_token_ids: list[int],
     ) -> str:
         """What the caller asked for: the caller's sampling (their seed, not the worker's noise seed)."""
         s = request.sampling
@@ -153,4 +167,4 @@ class Admission:
             "ignore_eos": bool(s.ignore_eos),
             "logprobs": int(s.logprobs),
         }
-        return fingerprint(tenant, self.limits.model_name, prompt_ids, sampling, list(s.stop), list(s.stop_token_ids))
+        return fingerprint(tenant, self.limits.model_name, prompt_ids, sampling, list(s.stop), stop_token_ids)

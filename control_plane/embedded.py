@@ -13,9 +13,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from control_plane.admission import Admission, longest_token_bytes
+from control_plane.chat import ChatTemplate
 from control_plane.config import Settings
 from control_plane.dedup import Dedup, new_owner
 from control_plane.dispatcher import Dispatcher
+from control_plane.local_serve import prepare, worker_env
 from control_plane.replication import Replicator
 from control_plane.server import InferenceService
 from control_plane.telemetry.logs import configure_logging
@@ -27,19 +29,19 @@ from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 from rpc.limits import INTERNAL_MESSAGE_BYTES
 from rpc.malformed import TolerantDecoding
 from rpc.standard_services import add_standard_services
-from security.internal import TOKEN_ENV, new_token
-from security.local_token import TENANT as LOCAL_TENANT
-from security.local_token import ensure_local_token
-from security.settings import AuthSettings, ConfigError
+from security.settings import ConfigError
 from security.tls import public_server_credentials
-from security.tokens import Authenticator, digest
+from security.tokens import Authenticator
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 DRAIN_S = 10.0
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-BUILTIN_NOTE = "note: the built-in model's output is noise; `--model DIR` loads a Hugging Face checkpoint"
+BUILTIN_NOTE = (
+    "note: the built-in model's output is noise; `--model smollm2`, a .gguf file or a checkpoint directory loads a "
+    "real model"
+)
 
 
 async def serve_control_plane(
@@ -58,7 +60,9 @@ async def serve_control_plane(
     await dispatcher.start()
     telemetry.bind(dispatcher)
     assert dispatcher.tokenizer is not None
-    limits = Limits.of(dispatcher.info, settings, longest_token_bytes(dispatcher.tokenizer))
+    info, tokenizer = dispatcher.info, dispatcher.tokenizer
+    chat = ChatTemplate.for_model(info.chat_template, info.special_tokens, tokenizer, info.eos_token_ids)
+    limits = Limits.of(info, settings, longest_token_bytes(tokenizer), chat)
     admission = Admission(dispatcher.tokenizer, limits, settings)
     dedup = Dedup(dispatcher, store, journal, admission, settings, telemetry.observer)
     dedup.start()
@@ -109,16 +113,6 @@ def authenticator(settings: Settings) -> Authenticator:
     return Authenticator(settings.auth)
 
 
-def with_local_auth(settings: Settings) -> Settings:
-    """`coalesce serve` with no tokens configured: accept the local token (made once, readable by this user
-    only), which the CLI and the Python client on this machine send by default."""
-    if settings.auth.disabled or settings.auth.configured:
-        return settings
-    token, path = ensure_local_token()
-    print(f"auth: accepting the local token in {path} (tenant {LOCAL_TENANT!r}); see docs/security.md", flush=True)
-    return settings.model_copy(update={"auth": AuthSettings(tokens={digest(token): LOCAL_TENANT})})
-
-
 def _install_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,14 +126,17 @@ async def _supervise(workers: list[WorkerProcess]) -> None:
             w.ensure_running()
 
 
-def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None = None) -> None:
-    """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve."""
+def run_serve(
+    settings: Settings, then: Callable[[str], Awaitable[None]] | None = None, workers: list[WorkerProcess] | None = None
+) -> None:
+    """`coalesce serve`: spawn the workers first (before any gRPC object exists here), then serve. `workers`:
+    already spawned (the CLI starts them before importing this module, so models load meanwhile), with
+    `settings` from control_plane.local_serve.prepare. `then` runs once serving (e.g. the CLI's demo)."""
     configure_logging(settings.log_format)
-    settings = with_local_auth(settings)
+    if workers is None:
+        settings = prepare(settings)
+        workers = spawn_workers(settings.worker, settings.workers, env=worker_env(settings))
     authenticator(settings)  # a configuration that cannot work fails here, in one line, before serving
-    # The workers serve only this process: a fresh shared secret, passed in their environment.
-    settings = settings.model_copy(update={"internal_token": settings.internal_token or new_token()})
-    workers = spawn_workers(settings.worker, settings.workers, env={TOKEN_ENV: settings.internal_token})
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -150,7 +147,7 @@ def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None 
             info = dispatcher.info
             print(
                 f"coalesce serving {info.model_name} on {settings.host}:{port} "
-                f"({len(workers)} worker(s), {info.device}); Ctrl-C stops",
+                f"({len(workers)} worker(s), {info.device}, {info.dtype}); Ctrl-C stops",
                 flush=True,
             )
             if info.model_name == "builtin":
@@ -158,8 +155,15 @@ def run_serve(settings: Settings, then: Callable[[str], Awaitable[None]] | None 
             if then is not None:  # e.g. the CLI's demo tour, as a client of this server
                 await then(f"{settings.host}:{port}")
 
+        serving = asyncio.create_task(serve_control_plane(settings, [w.address for w in workers], ready, stop))
         try:
-            await serve_control_plane(settings, [w.address for w in workers], ready, stop)
+            await asyncio.wait({serving, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+            if supervisor.done():  # a worker exited for bad input (it printed why): stop, do not wait for it
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+                supervisor.result()
+            await serving
         finally:
             supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -154,6 +154,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             max_context=info.max_context,
             eos_token_ids=info.eos_token_ids,
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
+            dtype=info.dtype,
+            has_chat_template=bool(info.chat_template),
             limits=limits,
         )
 

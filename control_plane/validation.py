@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from control_plane.chat import ChatTemplate, message_violations
 from control_plane.config import Settings
 from control_plane.errors import ApiError, invalid, invalid_fields, too_long
 from protos.coalesce.v1 import inference_pb2, worker_pb2
@@ -29,12 +30,19 @@ class Limits:
     max_stop_strings: int
     max_stop_token_ids: int = 64
     max_token_bytes: int = 0  # UTF-8 bytes of the longest token's text; 0: unknown (no byte check)
+    chat: ChatTemplate | None = None  # None: the model has no chat template
 
     @classmethod
-    def of(cls, info: worker_pb2.InfoResponse, settings: Settings, max_token_bytes: int = 0) -> Limits:
+    def of(
+        cls,
+        info: worker_pb2.InfoResponse,
+        settings: Settings,
+        max_token_bytes: int = 0,
+        chat: ChatTemplate | None = None,
+    ) -> Limits:
         """The limits of the model a worker serves, under these settings."""
         return cls(info.model_name, info.vocab_size, info.max_context, settings.default_max_tokens,
-                   settings.max_stop_strings, settings.max_stop_token_ids, max_token_bytes)  # fmt: skip
+                   settings.max_stop_strings, settings.max_stop_token_ids, max_token_bytes, chat)  # fmt: skip
 
     @property
     def max_prompt_bytes(self) -> int:
@@ -50,7 +58,7 @@ def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix
                        f"fit the model's context of {limits.max_context} tokens")  # fmt: skip
     v: list[tuple[str, str]] = []
     if which is None:
-        v.append((prefix + "prompt", "set either text or token_ids"))
+        v.append((prefix + "prompt", "set one of text, token_ids or messages"))
     elif which == "text" and not req.text:
         v.append((prefix + "text", "must not be empty"))
     elif which == "token_ids":
@@ -59,6 +67,9 @@ def validate_generate(req: inference_pb2.GenerateRequest, limits: Limits, prefix
         bad = next((i for i, t in enumerate(req.token_ids.ids) if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
             v.append((f"{prefix}token_ids.ids[{bad}]", f"{req.token_ids.ids[bad]} is outside [0, {limits.vocab_size})"))
+    elif which == "messages":
+        turns = [(m.role, m.content) for m in req.messages.messages]
+        v += message_violations(turns, limits.chat, prefix + "messages")
     s = req.sampling
     sp = prefix + "sampling."
     if not (math.isfinite(s.temperature) and 0 <= s.temperature <= MAX_TEMPERATURE):

@@ -31,7 +31,9 @@ from security.tls import internal_channel_credentials
 
 log = logging.getLogger(__name__)
 
-BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# Capped at 0.25 s: a worker still loading its model is polled often enough that serving starts within a
+# quarter second of it being ready (a start is ~3 s in all).
+BACKOFF_S = (0.05, 0.1, 0.2, 0.25)
 
 
 class WorkerLost(Exception):

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
+BAD_INPUT = 2  # `coalesce worker`'s exit status when its model cannot be loaded (it printed why)
+
+
+class WorkerStartError(Exception):
+    """A worker exited because its settings are wrong: restarting it would only fail again."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -38,6 +43,8 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         str(settings.kv_cache_mb),
         "--block-size",
         str(settings.block_size),
+        "--cache-dir",
+        settings.cache_dir,
         "--host",
         settings.host,
         "--port",
@@ -66,10 +73,12 @@ class WorkerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def ensure_running(self) -> bool:
-        """Restart a worker that died; True when it had to."""
+        """Restart a worker that died; True when it had to. Raises WorkerStartError when it exited for bad input."""
         if self.alive():
             return False
         code = self.proc.returncode if self.proc else None
+        if code == BAD_INPUT:
+            raise WorkerStartError(f"the worker on {self.address} could not load model {self.settings.model!r}")
         log.warning("worker %s exited (%s); restarting it", self.address, code)
         self.start()
         return True

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 ROOT = Path(__file__).resolve().parent.parent
+pytest_plugins = ["smollm2_fixtures"]  # SmolLM2's converted cache and transformers reference, once per session
 
 import tests.session_env  # noqa: E402, F401  (sets the environment every test and spawned process inherits)
 

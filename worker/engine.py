@@ -105,6 +105,8 @@ class Engine:
             device=str(r.device),
             tokenizer_json=loaded.tokenizer_json,
             bos_token_id=-1 if loaded.bos_token_id is None else loaded.bos_token_id,
+            chat_template=loaded.chat_template,
+            special_tokens=loaded.special_tokens,
         )
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:

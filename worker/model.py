@@ -107,7 +107,8 @@ def _parse_sliding_window(arch: str, hf: dict[str, Any], max_pos: int) -> int | 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, computed exactly as transformers does (plain, or llama3-scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even under a meta-device context: meta arithmetic would import torch._refs (~1 s at start).
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = config.rope_scaling
     if s is None:
         return inv_freq

@@ -86,11 +86,12 @@ def _startup_lines(settings: WorkerSettings, engine: Engine, port: int) -> list[
     info = engine.info()
     lines = [
         f"coalesce worker listening on {settings.host}:{port} "
-        f"(model {info.model_name}, device {info.device}, {info.num_blocks} KV blocks)"
+        f"(model {info.model_name}, device {info.device}, dtype {info.dtype}, {info.num_blocks} KV blocks)"
     ]
     if info.model_name == "builtin":
         lines.append(
-            "note: the builtin model has random weights, so its output is noise; --model DIR loads a real checkpoint"
+            "note: the builtin model has random weights, so its output is noise; --model smollm2, a .gguf file or "
+            "a checkpoint directory loads a real model"
         )
     return lines
 

@@ -16,7 +16,7 @@ from scripted_server import Script, expected, serve
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY, Progress, RetryPolicy, backoff, next_delay
-from clients.types import Chunk, CoalesceError, build_request
+from clients.types import Chunk, CoalesceError, Message, build_request
 
 Server = Callable[..., Awaitable[str]]
 KINDS = pytest.mark.parametrize("kind", ["sync", "aio"])
@@ -71,6 +71,26 @@ async def test_sync_result_sends_bearer_token_and_an_automatic_key(grpc_server: 
     call = svc.generate_calls[0]
     assert call.authorization == "Bearer team-a"
     assert uuid.UUID(call.key_field) and call.key_header == call.key_field
+
+
+@KINDS
+async def test_chat_sends_the_conversation_as_messages(grpc_server: Server, kind: str) -> None:
+    address, svc = await serve(grpc_server)
+    turns: list[Message] = [{"role": "system", "content": "be brief"}, ("user", "hi")]
+    if kind == "sync":
+
+        def run() -> Any:
+            with CoalesceClient(address) as client:
+                return client.chat(turns, max_tokens=4, request_id="c1").result()
+
+        result = await asyncio.to_thread(run)
+    else:
+        async with AsyncCoalesceClient(address) as client:
+            result = await client.chat(turns, max_tokens=4, request_id="c1").result()
+    assert result.token_ids == expected("ids", 4)[0]
+    request = svc.requests["c1"]
+    assert request.WhichOneof("prompt") == "messages" and request.sampling.max_tokens == 4
+    assert [(m.role, m.content) for m in request.messages.messages] == [("system", "be brief"), ("user", "hi")]
 
 
 @KINDS

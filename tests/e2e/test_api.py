@@ -20,7 +20,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2
 from grpc_checks import check_standard_services
 from grpc_status import rpc_status
-from serve_process import ServeProcess
+from serve_process import BUILTIN, ServeProcess
 
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
 from tests.session_env import authed
@@ -33,7 +33,7 @@ CANCELLED, LENGTH = inference_pb2.FINISH_REASON_CANCELLED, inference_pb2.FINISH_
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--kv-cache-mb", "64", env=ENV)
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", env=ENV)
     yield server
     assert server.stop() == 0, "".join(server.lines[-30:])
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from serve_process import ROOT, ServeProcess
+from serve_process import BUILTIN, ROOT, ServeProcess
 
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY
@@ -31,7 +31,7 @@ def _digests(tokens: dict[str, str]) -> str:
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--model", "builtin", "--kv-cache-mb", "32", env={"COALESCE_AUTH__TOKENS": _digests(TOKENS)})
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "32", env={"COALESCE_AUTH__TOKENS": _digests(TOKENS)})
     yield server
     server.stop()
 
@@ -85,7 +85,7 @@ def test_a_tenant_never_sees_another_tenants_request(serve: ServeProcess) -> Non
 
 def test_serve_with_no_tokens_configured_accepts_its_local_token(tmp_path: Path) -> None:
     server = ServeProcess(
-        "--model", "builtin", "--kv-cache-mb", "16", env={"XDG_CONFIG_HOME": str(tmp_path)},
+        *BUILTIN, "--kv-cache-mb", "16", env={"XDG_CONFIG_HOME": str(tmp_path)},
         unset=("COALESCE_AUTH__TOKENS", "COALESCE_TOKEN"),
     )  # fmt: skip
     try:

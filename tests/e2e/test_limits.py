@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from serve_process import ServeProcess
+from serve_process import BUILTIN, ServeProcess
 
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY
@@ -34,7 +34,7 @@ HOG = (("authorization", "Bearer hog-secret"),)
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--model", "builtin", "--kv-cache-mb", "32", env=ENV)
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "32", env=ENV)
     yield server
     server.stop()
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from serve_process import ServeProcess
+from serve_process import BUILTIN, ServeProcess
 
 from protos.coalesce.v1 import inference_pb2
 from tests.session_env import AUTH
@@ -22,7 +22,7 @@ BAD_UTF8 = b"\x0a\x02\xff\xfe"
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--model", "builtin", "--kv-cache-mb", "16")
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "16")
     yield server
     server.stop()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import google.rpc
 import pytest
-from serve_process import ServeProcess
+from serve_process import BUILTIN, ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def seen() -> Iterator[dict[str, Any]]:
     node = shutil.which("node")
     assert node, "node is missing: scripts/install.sh dev needs Node.js 20"
     assert (ROOT / "node_modules" / "@grpc" / "grpc-js").is_dir(), "run `npm ci` (scripts/install.sh dev)"
-    server = ServeProcess("--kv-cache-mb", "64", env={"COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "5"})
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", env={"COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "5"})
     try:
         googleapis = Path(next(iter(google.rpc.__path__))).parents[1]  # holds google/rpc/*.proto
         cmd = [node, str(ROOT / "tests" / "e2e" / "node_client.js"), server.address, str(ROOT / "protos"),

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.aio import AsyncCoalesceClient
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
-from tests.e2e.serve_process import ServeProcess
+from tests.e2e.serve_process import BUILTIN, ServeProcess
 from tests.session_env import AUTH
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def served() -> Iterator[Served]:
             "COALESCE_LOG_FORMAT": "json",
             "COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "20",
         }
-        serve = ServeProcess("--kv-cache-mb", "64", "--metrics-port", str(metrics_port), env=env)
+        serve = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", "--metrics-port", str(metrics_port), env=env)
         try:
             yield Served(serve, receiver, metrics_port)
         finally:

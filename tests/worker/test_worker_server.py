@@ -132,7 +132,7 @@ def test_misuse_aborts_the_session_and_the_next_one_works(channel: grpc.Channel,
 def test_run_worker_prints_its_address_and_stops_on_sigterm() -> None:
     code = (
         "from worker.config import WorkerSettings; from worker.server import run_worker; "
-        "run_worker(WorkerSettings(device='cpu', port=0, kv_cache_mb=4))"
+        "run_worker(WorkerSettings(model='builtin', device='cpu', dtype='float32', port=0, kv_cache_mb=4))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -72,6 +72,20 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -95,9 +109,10 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "pool", "stream", "request_id", "idempotency_key", "dedup", "model", "resumable")
+    __slots__ = ("text", "token_ids", "messages", "sampling", "pool", "stream", "request_id", "idempotency_key", "dedup", "model", "resumable")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +123,7 @@ class GenerateRequest(_message.Message):
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
+    messages: ChatMessages
     sampling: SamplingParams
     pool: Pool
     stream: bool
@@ -116,7 +132,7 @@ class GenerateRequest(_message.Message):
     dedup: DedupPolicy
     model: str
     resumable: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pool: _Optional[_Union[Pool, str]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., dedup: _Optional[_Union[DedupPolicy, str]] = ..., model: _Optional[str] = ..., resumable: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pool: _Optional[_Union[Pool, str]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., dedup: _Optional[_Union[DedupPolicy, str]] = ..., model: _Optional[str] = ..., resumable: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -315,13 +331,15 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "limits")
+    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "dtype", "has_chat_template", "limits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
@@ -329,8 +347,10 @@ class GetModelInfoResponse(_message.Message):
     max_context: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     workers: int
+    dtype: str
+    has_chat_template: bool
     limits: RequestLimits
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_request_bytes", "max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_logprobs", "default_max_tokens", "max_request_id_chars", "max_idempotency_key_bytes", "max_batch_items", "resume_grace_s")
