@@ -83,7 +83,8 @@ def cmd_worker(args: argparse.Namespace) -> None:
     from worker.server import run_worker
 
     try:
-        run_worker(settings.worker.model_copy(update=update))
+        run_worker(settings.worker.model_copy(update=update), token=settings.internal_token, tls=settings.internal_tls,
+                   open_access=settings.auth.disabled, parent_pid=args.parent_pid or 0)  # fmt: skip
     except ModelLoadError as exc:
         raise CommandError(str(exc), 2) from None
 
@@ -92,7 +93,7 @@ def cmd_dedup_service(args: argparse.Namespace) -> None:
     settings = _settings(args, store=args.store)
     from dedup_service.server import run_dedup_service
 
-    run_dedup_service(settings.store, args.host, args.port)
+    run_dedup_service(settings.store, args.host, args.port, settings.auth, settings.internal_tls)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run one worker (model + paged KV cache)")
     _add_server_flags(p, "worker gRPC port (default 50061; 0 picks a free one)")
     _add_worker_flags(p)
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # `coalesce serve`'s: die with it
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("dedup-service", help="run the operators' DedupService over the shared store")

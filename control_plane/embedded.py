@@ -32,16 +32,13 @@ from rpc.standard_services import add_standard_services
 from security.settings import ConfigError
 from security.tls import public_server_credentials
 from security.tokens import Authenticator
+from worker.config import BUILTIN_NOTE
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 DRAIN_S = 10.0
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-BUILTIN_NOTE = (
-    "note: the built-in model's output is noise; `--model smollm2`, a .gguf file or a checkpoint directory loads a "
-    "real model"
-)
 
 
 async def serve_control_plane(

@@ -49,6 +49,8 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         settings.host,
         "--port",
         str(port),
+        "--parent-pid",
+        str(os.getpid()),
     ]
 
 

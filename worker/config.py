@@ -6,6 +6,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# Printed wherever the built-in model is served.
+BUILTIN_NOTE = (
+    "note: the built-in model has random weights, so its output is noise; --model smollm2, a .gguf file or a "
+    "checkpoint directory loads a real model"
+)
+
 
 class WorkerSettings(BaseModel):
     """What a worker loads and how much cache it keeps."""

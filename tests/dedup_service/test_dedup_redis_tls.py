@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from dedup_clock import Clock
-from tls_certs import CertAuthority
 
 from dedup_service import LogAppend, LogEntry, Outcome, StoreUnavailable, make_store
 from tests.conftest import RedisServer, RedisTls
+from tests.tls_certs import CertAuthority
 
 
 @pytest.fixture
