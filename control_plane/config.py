@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(default=256, ge=1)
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_token_ids: int = Field(default=64, ge=0)
+    # SIGTERM: requests still queued are refused at once (UNAVAILABLE, retry elsewhere); running ones have
+    # this long to finish before their calls are cancelled (resumable ones go on being resumable elsewhere).
+    drain_s: float = Field(default=10.0, ge=0)
     # Generations (and resumes) open at once on one Session stream; past it, RESOURCE_EXHAUSTED per stream.
     session_max_streams: int = Field(default=256, ge=1)
     # Messages a Session buffers for a caller that reads slowly; when full, the session stops reading

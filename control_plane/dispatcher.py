@@ -38,6 +38,10 @@ CANCELLED, ERROR = inference_pb2.FINISH_REASON_CANCELLED, inference_pb2.FINISH_R
 FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH}
 
 
+def draining() -> ApiError:
+    return unavailable("the server is shutting down; send the request again", "DRAINING")
+
+
 class Journal(Protocol):
     """The shared side of generations (control_plane.replication.Replicator): told once per step that
     generations changed, so it writes their new tokens and finishes to the store."""
@@ -71,6 +75,7 @@ class Dispatcher:
         self.running: dict[Generation, tuple[WorkerLink, Sequence]] = {}  # computed here, and where
         self.per_tenant: Counter[tuple[str, str]] = Counter()  # (tenant, pool) -> generations in `running`
         self._next_seq = 1
+        self.draining = False
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -136,6 +141,8 @@ class Dispatcher:
     def submit(self, request: Request, gen: Generation, outcome: int = MISS) -> View:
         """Compute `gen` for `request`, continuing from the tokens it holds (a takeover re-prefills them)."""
         assert self.tokenizer is not None, "submit before start()"
+        if self.draining:
+            raise draining()
         text = IncrementalText(self.tokenizer, request.stop)
         for token in gen.token_ids:  # a continued generation: its text so far is already logged
             text.push(token)
@@ -190,6 +197,15 @@ class Dispatcher:
     def abort(self, gen: Generation, reason: int, error: ApiError | None = None) -> None:
         """Stop computing `gen` for everyone."""
         self._end(gen, reason, self.clock(), error)
+
+    def drain(self) -> int:
+        """Shutting down: refuse what is submitted from now on, and end every generation still queued (never
+        admitted) with UNAVAILABLE and a retry hint, so its caller retries elsewhere at once. Returns how many."""
+        self.draining = True
+        queued = [gen for gen in self.running if not gen.admitted and not gen.token_ids]
+        for gen in queued:
+            self.abort(gen, ERROR, draining())
+        return len(queued)
 
     def release(self, gen: Generation) -> None:
         """Stop computing `gen` here without finishing it (another replica computes it now)."""

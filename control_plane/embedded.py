@@ -37,7 +37,6 @@ from worker.config import BUILTIN_NOTE
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
-DRAIN_S = 10.0
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -90,7 +89,9 @@ async def serve_control_plane(
     finally:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(grace=DRAIN_S)
+        refused = dispatcher.drain()
+        log.info("draining: %d queued request(s) refused; %.0f s for the running ones", refused, settings.drain_s)
+        await server.stop(grace=settings.drain_s)
         await dispatcher.stop()
         await dedup.stop()
         await store.close()

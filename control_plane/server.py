@@ -81,7 +81,10 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
                 yield chunk
         finally:
             self.dispatcher.detach(view.gen)
-            if deadline_passed(context) and not view.resumable:
+            # Its caller left before it started (it waited in the queue): nobody will read it. Once it has
+            # started, the resume grace period applies (docs/api.md, "Resume").
+            never_started = not view.gen.admitted and not view.gen.token_ids and view.gen.subscribers == 0
+            if (deadline_passed(context) or never_started) and not view.resumable:
                 self.dispatcher.cancel_view(view)
 
     async def resume(self, request_id: str, offset: int, tenant: str, prefix: str = "") -> View:
