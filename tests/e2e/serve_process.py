@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from control_plane.worker_procs import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
 CONTROL_PLANE = re.compile(r"coalesce control plane on (\S+):(\d+)")
@@ -99,3 +101,31 @@ def scrape(port: int) -> dict[str, float]:
                 name, _, value = line.rpartition(" ")
                 samples[name] = float(value)
     return samples
+
+
+# Replicas renew leases every third of lease_s: 2 s makes a lost replica's work move within seconds.
+REPLICA_ENV = {"COALESCE_LEASE_S": "2", "COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "5"}
+
+
+class Replica:
+    """A control plane with its own worker (one scheduler session per worker), on a shared store."""
+
+    def __init__(self, store: str) -> None:
+        self.worker = CoalesceProcess("worker", *BUILTIN, "--kv-cache-mb", "32", ready=WORKER)
+        self.metrics_port = free_port()
+        self.cp = CoalesceProcess(
+            "control-plane", "--worker", self.worker.address, "--store", store,
+            "--metrics-port", str(self.metrics_port), ready=CONTROL_PLANE, env=REPLICA_ENV,
+        )  # fmt: skip
+        self.address = self.cp.address
+
+    def step_tokens(self) -> float:
+        return scrape(self.metrics_port).get("coalesce_step_tokens_sum", 0.0)
+
+    def stop(self) -> None:
+        self.cp.stop()
+        self.worker.stop()
+
+
+def pair_of(url: str) -> tuple[Replica, Replica]:
+    return Replica(url), Replica(url)

@@ -10,45 +10,19 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from serve_process import BUILTIN, CONTROL_PLANE, WORKER, CoalesceProcess, ServeProcess, scrape
+from serve_process import BUILTIN, Replica, ServeProcess, pair_of
 
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY
 from clients.types import CoalesceError, Result
-from control_plane.worker_procs import free_port
 
 pytestmark = pytest.mark.slow
-ENV = {"COALESCE_LEASE_S": "2", "COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "5"}
-
-
-class Replica:
-    """A control plane with its own worker (one scheduler session per worker), on a shared store."""
-
-    def __init__(self, store: str) -> None:
-        self.worker = CoalesceProcess("worker", *BUILTIN, "--kv-cache-mb", "32", ready=WORKER)
-        self.metrics_port = free_port()
-        self.cp = CoalesceProcess(
-            "control-plane", "--worker", self.worker.address, "--store", store,
-            "--metrics-port", str(self.metrics_port), ready=CONTROL_PLANE, env=ENV,
-        )  # fmt: skip
-        self.address = self.cp.address
-
-    def step_tokens(self) -> float:
-        return scrape(self.metrics_port).get("coalesce_step_tokens_sum", 0.0)
-
-    def stop(self) -> None:
-        self.cp.stop()
-        self.worker.stop()
-
-
-def _pair(url: str) -> tuple[Replica, Replica]:
-    return Replica(url), Replica(url)
 
 
 @pytest.fixture(scope="module")
 def replicas(redis_module: object) -> Iterator[tuple[Replica, Replica]]:
-    pair = _pair(redis_module.url)  # type: ignore[attr-defined]
+    pair = pair_of(redis_module.url)  # type: ignore[attr-defined]
     yield pair
     for r in pair:
         r.stop()
@@ -115,7 +89,7 @@ def test_store_down_refuses_keyed_requests_then_recovers(
 
 @pytest.mark.parametrize("opts", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "seeded"])
 def test_replica_killed_mid_generation_resumes_on_the_other(redis_server: object, opts: dict[str, object]) -> None:
-    a, b = _pair(redis_server.url)  # type: ignore[attr-defined]
+    a, b = pair_of(redis_server.url)  # type: ignore[attr-defined]
     try:
         common = {"max_tokens": 48, "ignore_eos": True, **opts}
         with CoalesceClient(b.address) as cb:
@@ -219,7 +193,7 @@ def test_identical_keyless_requests_coalesce_across_replicas(replicas: tuple[Rep
 
 
 def test_a_content_follower_takes_over_when_the_leaders_replica_dies(redis_server: object) -> None:
-    a, b = _pair(redis_server.url)  # type: ignore[attr-defined]
+    a, b = pair_of(redis_server.url)  # type: ignore[attr-defined]
     try:
         opts = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.8, "seed": 11}
         with CoalesceClient(b.address, retry=NO_RETRY) as cb:
