@@ -69,8 +69,8 @@ def cmd_control_plane(args: argparse.Namespace) -> None:
         worker_addresses=args.worker or None,
         workers=0,
     )
-    if not settings.worker_addresses:
-        raise CommandError("coalesce control-plane needs at least one --worker HOST:PORT", 2)
+    if not settings.worker_addresses and not settings.worker_dns:
+        raise CommandError("coalesce control-plane needs workers: --worker HOST:PORT, or worker_dns (NAME:PORT)", 2)
     from control_plane.embedded import run_control_plane
 
     run_control_plane(settings)

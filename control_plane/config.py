@@ -87,8 +87,13 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     # Workers `coalesce serve` spawns as child processes.
     workers: int = Field(default=1, ge=0, le=64)
-    # Addresses (host:port) of workers started elsewhere; used by `coalesce control-plane`.
+    # Addresses (host:port) of workers started elsewhere, this replica's alone; used by `coalesce control-plane`.
     worker_addresses: list[str] = Field(default_factory=list)
+    # Workers found by DNS ("name:port", e.g. a Kubernetes headless Service), shared by the replicas that find
+    # them through leases in the store (control_plane/fleet.py); `worker_dns_server` ("host:port") queries
+    # that name server instead of the system's.
+    worker_dns: str = ""
+    worker_dns_server: str = ""
     worker: WorkerSettings = WorkerSettings()
     pools: PoolsSettings = PoolsSettings()
     scheduler: SchedulerSettings = SchedulerSettings()

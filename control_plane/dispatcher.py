@@ -67,7 +67,9 @@ class Dispatcher:
         self.clock = clock
         self.observer = observer or Observer()
         self.journal = journal or _NoJournal()
-        self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
+        self.links: list[WorkerLink] = []  # the workers this replica drives (control_plane/fleet.py may change them)
+        self._link_tasks: dict[WorkerLink, asyncio.Task[None]] = {}
+        self._model: worker_pb2.InfoResponse | None = None
         self.tokenizer: Tokenizer | None = None
         self.eos_ids: frozenset[int] = frozenset()
         self.views: dict[tuple[str, str], View] = {}  # every request here, by (tenant, request id)
@@ -76,32 +78,64 @@ class Dispatcher:
         self.per_tenant: Counter[tuple[str, str]] = Counter()  # (tenant, pool) -> generations in `running`
         self._next_seq = 1
         self.draining = False
-        self._tasks: list[asyncio.Task[None]] = []
+        self._addresses = list(addresses)
+        self._sweeping: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, timeout: float = 120.0) -> None:
-        """Connect to every worker and learn the model from the first one."""
-        self._tasks = [asyncio.create_task(link.run(), name=f"link {link.address}") for link in self.links]
-        self._tasks.append(asyncio.create_task(self._sweeper(), name="sweeper"))
-        waits = [asyncio.create_task(link.connected.wait()) for link in self.links]
-        done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        if not done:
-            raise RuntimeError(f"no worker answered within {timeout:.0f} s: {[link.address for link in self.links]}")
-        self.tokenizer = Tokenizer.from_str(self.info.tokenizer_json.decode())
-        self.eos_ids = frozenset(self.info.eos_token_ids)
+        """Connect to the workers given at construction (more may be added), and learn the model from the
+        first one that answers."""
+        self._sweeping = asyncio.create_task(self._sweeper(), name="sweeper")
+        for address in self._addresses:
+            self.add_link(address)
+        deadline = self.clock() + timeout
+        while self._model is None:
+            self._model = next((link.info for link in self.links if link.info is not None), None)
+            if self._model is None:
+                if self.clock() > deadline:
+                    raise RuntimeError(f"no worker answered within {timeout:.0f} s: {self._addresses or 'none yet'}")
+                await asyncio.sleep(0.05)
+        self.tokenizer = Tokenizer.from_str(self._model.tokenizer_json.decode())
+        self.eos_ids = frozenset(self._model.eos_token_ids)
 
     async def stop(self) -> None:
         for link in self.links:
             link.stop()
-        for task in self._tasks:
+        tasks = [*self._link_tasks.values(), *([self._sweeping] if self._sweeping else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def info(self) -> worker_pb2.InfoResponse:
-        return next(link.info for link in self.links if link.info is not None)
+        """The served model (the first worker's; every worker of a deployment serves the same one)."""
+        if self._model is None:
+            self._model = next(link.info for link in self.links if link.info is not None)
+        return self._model
+
+    # -- the workers -------------------------------------------------------------------------------------
+    def add_link(self, address: str) -> WorkerLink:
+        """Drive the worker at `address` (a new one found, or one this replica came to own)."""
+        link = WorkerLink(address, self.settings, self._on_step, self._on_lost, self.clock)
+        self.links.append(link)
+        self._link_tasks[link] = asyncio.create_task(link.run(), name=f"link {address}")
+        return link
+
+    async def retire_link(self, address: str) -> None:
+        """Stop driving a worker (gone from discovery, or handed to another replica): its sequences move to
+        the other workers here (recomputed), or end UNAVAILABLE (retryable) when there is none."""
+        link = next((link for link in self.links if link.address == address), None)
+        if link is None:
+            return
+        self.links.remove(link)
+        link.stop()
+        task = self._link_tasks.pop(link)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        live = [other for other in self.links if other.scheduler is not None]
+        for gen, (where, seq) in list(self.running.items()):
+            if where is link:
+                self._move(gen, seq, live, link)
 
     # -- the registry ------------------------------------------------------------------------------------
     def find(self, tenant: str, request_id: str) -> View | None:
@@ -302,17 +336,22 @@ class Dispatcher:
         if not live:
             return  # they wait in this link's queues for the worker to return
         for gen, (where, seq) in list(self.running.items()):
-            if where is not link:
-                continue
-            link.abort(seq.seq_id)
-            moved = seq.moved(self._new_seq_id())
+            if where is link:
+                self._move(gen, seq, live, link)
+
+    def _move(self, gen: Generation, seq: Sequence, live: list[WorkerLink], source: WorkerLink) -> None:
+        """Recompute `gen` on one of `live` from its outputs so far (a new sequence id)."""
+        source.abort(seq.seq_id)
+        moved = seq.moved(self._new_seq_id())
+        try:
+            if not live:
+                raise unavailable("no worker is connected", "NO_WORKER_CONNECTED")
             target = self._route(moved, live)
-            try:
-                self._enqueue(target, moved)
-            except ApiError as err:
-                self._end(gen, ERROR, self.clock(), err)
-                continue
-            self.running[gen] = (target, moved)
+            self._enqueue(target, moved)
+        except ApiError as err:
+            self._end(gen, ERROR, self.clock(), err)
+            return
+        self.running[gen] = (target, moved)
 
     # -- housekeeping ------------------------------------------------------------------------------------
     def sweep(self, now: float) -> None:

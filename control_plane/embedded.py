@@ -17,6 +17,7 @@ from control_plane.chat import ChatTemplate
 from control_plane.config import Settings
 from control_plane.dedup import Dedup, new_owner
 from control_plane.dispatcher import Dispatcher
+from control_plane.fleet import Fleet
 from control_plane.local_serve import prepare, worker_env
 from control_plane.replication import Replicator
 from control_plane.server import InferenceService
@@ -51,8 +52,10 @@ async def serve_control_plane(
     auth = authenticator(settings)
     telemetry = Telemetry.start(settings)
     store = make_store(settings.store)
-    journal = Replicator(store, new_owner(), settings)
+    owner = new_owner()
+    journal = Replicator(store, owner, settings)
     dispatcher = Dispatcher(settings, addresses, observer=telemetry.observer, journal=journal)
+    fleet = asyncio.create_task(Fleet(dispatcher, store, owner, settings).run()) if settings.worker_dns else None
     await dispatcher.start()
     telemetry.bind(dispatcher)
     assert dispatcher.tokenizer is not None
@@ -92,6 +95,8 @@ async def serve_control_plane(
         refused = dispatcher.drain()
         log.info("draining: %d queued request(s) refused; %.0f s for the running ones", refused, settings.drain_s)
         await server.stop(grace=settings.drain_s)
+        if fleet is not None:
+            fleet.cancel()
         await dispatcher.stop()
         await dedup.stop()
         await store.close()
@@ -186,7 +191,8 @@ def run_control_plane(settings: Settings) -> None:
 
         def ready(port: int, dispatcher: Dispatcher) -> None:
             print(
-                f"coalesce control plane on {settings.host}:{port} -> {', '.join(settings.worker_addresses)}",
+                f"coalesce control plane on {settings.host}:{port} -> "
+                f"{', '.join([*settings.worker_addresses, *([settings.worker_dns] if settings.worker_dns else [])])}",
                 flush=True,
             )
 

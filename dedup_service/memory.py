@@ -36,6 +36,7 @@ class MemoryStore(MemoryLogs):
         self._content: dict[tuple[str, str], tuple[str, float]] = {}  # -> (leader request id, lease_until)
         self._batches: dict[tuple[str, str], tuple[set[str], float]] = {}  # -> (seq ids, gc_at)
         self._alive: dict[str, float] = {}  # control-plane replica (owner) -> alive until
+        self._workers: dict[str, tuple[str, float]] = {}  # worker address -> (owner, lease until)
 
     # --- idempotency records ---
 
@@ -240,6 +241,32 @@ class MemoryStore(MemoryLogs):
     async def alive(self, owner: str) -> bool:
         return self._alive.get(owner, 0.0) > self.clock()
 
+    async def replicas(self) -> list[str]:
+        now = self.clock()
+        return sorted(owner for owner, until in self._alive.items() if until > now)
+
+    # --- workers ---
+
+    async def claim_worker(self, address: str, owner: str, lease_s: float) -> bool:
+        now = self.clock()
+        held = self._workers.get(address)
+        if held is not None and held[0] != owner and held[1] > now:
+            return False
+        self._wrote()
+        self._workers[address] = (owner, now + lease_s)
+        return True
+
+    async def release_worker(self, address: str, owner: str) -> bool:
+        held = self._workers.get(address)
+        if held is None or held[0] != owner:
+            return False
+        del self._workers[address]
+        return True
+
+    async def worker_owners(self) -> dict[str, str]:
+        now = self.clock()
+        return {address: owner for address, (owner, until) in self._workers.items() if until > now}
+
     def sweep(self) -> None:
         super().sweep()
         now = self.clock()
@@ -251,6 +278,7 @@ class MemoryStore(MemoryLogs):
         drop_where(self._content, lambda v: v[1] + GC_SLACK_S <= now)
         drop_where(self._batches, lambda v: v[1] <= now)
         drop_where(self._alive, lambda until: until + GC_SLACK_S <= now)
+        drop_where(self._workers, lambda held: held[1] + GC_SLACK_S <= now)
 
 
 def _rid(rec: Record) -> tuple[str, str]:

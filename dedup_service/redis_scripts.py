@@ -325,3 +325,36 @@ end
 return 1
 """
 )
+
+# KEYS: replicas zset. ARGV: owner, until_ms, now_ms, slack_ms. A heartbeat; beats older than the slack go.
+HEARTBEAT = (
+    WRITES
+    + """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[4]))
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) - tonumber(ARGV[3]) + tonumber(ARGV[4]))
+"""
+)
+
+# KEYS: workers hash (address -> "owner until_ms"). ARGV: address, owner, lease_ms (0: release), now_ms.
+# Claim (or renew) when free, expired or ours; release when ours. Returns 1 or 0.
+WORKER = (
+    WRITES
+    + """
+local address, owner, lease, now = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local held = redis.call('HGET', KEYS[1], address)
+local holder, untl = nil, 0
+if held then
+  local sep = string.find(held, ' ', 1, true)
+  holder, untl = string.sub(held, 1, sep - 1), tonumber(string.sub(held, sep + 1))
+end
+if lease == 0 then
+  if holder ~= owner then return 0 end
+  redis.call('HDEL', KEYS[1], address)
+  return 1
+end
+if holder and holder ~= owner and untl > now then return 0 end
+redis.call('HSET', KEYS[1], address, owner .. ' ' .. (now + lease))
+return 1
+"""
+)

@@ -14,7 +14,8 @@ the first ':' after <t> ends it, whatever the key or request id holds):
   coalesce:logm:<t>:<rid>      hash    token log meta: n (tokens logged), fin (0/1), info (finish bytes), exp (ms)
   coalesce:log:<t>:<rid>       stream  token i is entry id 0-(i+1), field e = LogEntry.pack(); after the last
                                        token, an entry with field `end` marks the finish (and wakes XREAD)
-  coalesce:alive:<owner>       string  a control-plane replica's heartbeat: alive until (ms)
+  coalesce:replicas            zset    control-plane replicas' heartbeats: owner -> alive until (ms)
+  coalesce:workers             hash    worker address -> "<owner> <lease until (ms)>": who runs its session
 
 Request ids are scoped per tenant (Resume names the id, and the caller's tenant completes it): two tenants may
 use one id at once, and nothing tells one whether the other does. A script that derives a record's index and
@@ -77,6 +78,8 @@ class RedisStore(RedisLogs):
         self._purge_lua = client.register_script(lua.PURGE)
         self._content_claim_lua = client.register_script(lua.CONTENT_CLAIM)
         self._content_renew_lua = client.register_script(lua.CONTENT_RENEW)
+        self._heartbeat_lua = client.register_script(lua.HEARTBEAT)
+        self._worker_lua = client.register_script(lua.WORKER)
 
     @classmethod
     def from_url(
@@ -250,19 +253,44 @@ class RedisStore(RedisLogs):
 
     # --- replica liveness ---
 
-    def _alive_key(self, owner: str) -> str:
-        return f"{self._p}alive:{owner}"
-
     @unavailable
     async def heartbeat(self, owner: str, lease_s: float) -> None:
-        # The injected clock decides (the value); the TTL only garbage-collects.
-        until = self._now() + ms(lease_s)
-        await self._r.set(self._alive_key(owner), until, px=max(1, ms(lease_s + GC_SLACK_S)))
+        # The injected clock decides (the score); the key's TTL only garbage-collects.
+        now = self._now()
+        await self._heartbeat_lua([f"{self._p}replicas"], [owner, now + ms(lease_s), now, ms(GC_SLACK_S)])
 
     @unavailable
     async def alive(self, owner: str) -> bool:
-        until = await self._r.get(self._alive_key(owner))
+        until = await self._r.zscore(f"{self._p}replicas", owner)
         return until is not None and int(until) > self._now()
+
+    @unavailable
+    async def replicas(self) -> list[str]:
+        live = await self._r.zrangebyscore(f"{self._p}replicas", f"({self._now()}", "+inf")
+        return sorted(_text(owner) for owner in live)
+
+    # --- workers ---
+
+    @unavailable
+    async def claim_worker(self, address: str, owner: str, lease_s: float) -> bool:
+        return bool(await self._worker_lua([f"{self._p}workers"], [address, owner, max(1, ms(lease_s)), self._now()]))
+
+    @unavailable
+    async def release_worker(self, address: str, owner: str) -> bool:
+        return bool(await self._worker_lua([f"{self._p}workers"], [address, owner, 0, self._now()]))
+
+    @unavailable
+    async def worker_owners(self) -> dict[str, str]:
+        now, owners = self._now(), {}
+        for address, held in (await self._r.hgetall(f"{self._p}workers")).items():
+            owner, _, until = _text(held).rpartition(" ")
+            if int(until) > now:
+                owners[_text(address)] = owner
+        return owners
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:

@@ -187,6 +187,24 @@ class Store(Protocol):
 
     async def alive(self, owner: str) -> bool:
         """Whether `owner`'s last heartbeat still holds (False when it never beat)."""
+
+    async def replicas(self) -> list[str]:
+        """The replicas whose heartbeat holds, sorted."""
+        ...
+
+    # --- workers: each owned by one control-plane replica at a time (one scheduler session per worker) ---
+
+    async def claim_worker(self, address: str, owner: str, lease_s: float) -> bool:
+        """Own the worker at `address` until now + lease_s: when nobody owns it, its owner's lease expired,
+        or it is `owner`'s already (a renewal). False while another replica's lease holds."""
+        ...
+
+    async def release_worker(self, address: str, owner: str) -> bool:
+        """Give the worker up (another replica may claim it at once). False when it was not `owner`'s."""
+        ...
+
+    async def worker_owners(self) -> dict[str, str]:
+        """Every worker whose owner's lease holds: address -> owner."""
         ...
 
     async def close(self) -> None: ...

@@ -35,9 +35,8 @@ def test_each_command_has_help(command: str) -> None:
 def test_bad_input_is_one_line_not_a_traceback() -> None:
     result = _coalesce("control-plane")
     assert result.returncode == 2
-    assert (
-        result.stderr.strip() == "coalesce control-plane: coalesce control-plane needs at least one --worker HOST:PORT"
-    )
+    needs = "coalesce control-plane needs workers: --worker HOST:PORT, or worker_dns (NAME:PORT)"
+    assert result.stderr.strip() == f"coalesce control-plane: {needs}"
     result = _coalesce("serve", "--config", "/nonexistent.yaml")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "config file not found: /nonexistent.yaml" in result.stderr

@@ -90,7 +90,6 @@ async def test_key_layout_and_gc_ttls(redis_server, clock: Clock) -> None:
     sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
     keys = sorted(str(k) for k in sync.keys("*"))
     assert keys == [
-        "coalesce:alive:cp",
         "coalesce:batch:a:job",
         "coalesce:content:a:fp4",
         "coalesce:idem:a%3Ab:c",
@@ -102,6 +101,7 @@ async def test_key_layout_and_gc_ttls(redis_server, clock: Clock) -> None:
         "coalesce:logm:a:r3",
         "coalesce:logm:x%3Ay:z",
         "coalesce:logm:x:y:z",
+        "coalesce:replicas",
         "coalesce:req:a%3Ab:r1",
         "coalesce:req:a:r2",
         "coalesce:req:a:r3",

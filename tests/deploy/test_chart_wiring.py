@@ -22,14 +22,9 @@ from tests.deploy.chart_render import (
 )
 from tests.deploy.test_chart import EVERYTHING_ON
 
-# Settings the chart writes that control_plane/config.py is getting (discovery, drain, auth, TLS). Until a
-# field exists in Settings it is left out of the check below; once it exists it is checked like the rest.
-PENDING_SETTINGS = {"worker_dns", "drain_s", "auth", "tls", "internal_tls"}
-
 
 def settings_from(config: dict[str, Any]) -> Settings:
-    known = {k: v for k, v in config.items() if k in Settings.model_fields or k not in PENDING_SETTINGS}
-    return Settings(**known)
+    return Settings(**config)  # extra="forbid": a key Settings does not know fails here
 
 
 @pytest.mark.parametrize("values", [{}, gpu_values(), EVERYTHING_ON], ids=["default", "gpu", "everything-on"])
@@ -206,3 +201,17 @@ def test_traces_go_to_the_bundled_jaeger() -> None:
         env = {e["name"]: e.get("value") for e in _container(find(docs, kind, f"{RELEASE}-{name}"))["env"]}
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://{RELEASE}-jaeger:4317"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in str(render())
+
+
+def test_control_planes_and_workers_share_the_internal_token() -> None:
+    for values, secret in (({}, f"{RELEASE}-internal"), ({"internalToken": {"existingSecret": "mine"}}, "mine")):
+        docs = render(values)
+        refs = []
+        for kind, name in (("Deployment", "control-plane"), ("StatefulSet", "worker")):
+            env = {e["name"]: e for e in _container(find(docs, kind, f"{RELEASE}-{name}"))["env"]}
+            refs.append(env["COALESCE_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"])
+        assert refs == [{"name": secret, "key": "token"}] * 2
+        made = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == f"{RELEASE}-internal"]
+        assert len(made) == (1 if secret == f"{RELEASE}-internal" else 0)
+        if made:
+            assert len(made[0]["data"]["token"]) >= 48  # base64 of 48 random characters

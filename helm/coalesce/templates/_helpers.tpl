@@ -77,6 +77,19 @@ capabilities:
 {{- end }}
 {{- end -}}
 
+{{/* The internal token (docs/security.md): workers serve only callers that present it. */}}
+{{- define "coalesce.internalTokenSecret" -}}
+{{- .Values.internalToken.existingSecret | default (printf "%s-internal" (include "coalesce.fullname" .)) -}}
+{{- end -}}
+
+{{- define "coalesce.internalTokenEnv" -}}
+- name: COALESCE_INTERNAL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "coalesce.internalTokenSecret" . }}
+      key: token
+{{- end -}}
+
 {{- define "coalesce.otelEnv" -}}
 {{- $endpoint := .Values.otel.endpoint -}}
 {{- if .Values.jaeger.enabled -}}
