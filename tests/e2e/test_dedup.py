@@ -88,14 +88,19 @@ def test_store_down_refuses_keyed_requests_then_recovers(
 
 
 @pytest.mark.parametrize("opts", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "seeded"])
-def test_replica_killed_mid_generation_resumes_on_the_other(redis_server: object, opts: dict[str, object]) -> None:
+@pytest.mark.parametrize("key", ["k-kill", ""], ids=["keyed", "keyless"])
+def test_replica_killed_mid_generation_resumes_on_the_other(
+    redis_server: object, opts: dict[str, object], key: str
+) -> None:
+    """A keyed request is taken over when its record's lease runs out; a keyless one (it used to hang until
+    the caller's deadline) when its replica's heartbeat does, from the payload its request index keeps."""
     a, b = pair_of(redis_server.url)  # type: ignore[attr-defined]
     try:
-        common = {"max_tokens": 48, "ignore_eos": True, **opts}
+        common = {"max_tokens": 48, "ignore_eos": True, "dedup": "off", **opts}
         with CoalesceClient(b.address) as cb:
             undisturbed = cb.generate("kill the owner", idempotency_key="k-ref", **common).result().token_ids  # type: ignore[arg-type]
         with CoalesceClient(a.address, retry=NO_RETRY) as ca:
-            gen = ca.generate("kill the owner", idempotency_key="k-kill", stream=True, **common)  # type: ignore[arg-type]
+            gen = ca.generate("kill the owner", idempotency_key=key or None, stream=True, **common)  # type: ignore[arg-type]
             received: list[int] = []
             for chunk in gen:
                 received += chunk.token_ids
@@ -104,9 +109,9 @@ def test_replica_killed_mid_generation_resumes_on_the_other(redis_server: object
             request_id = gen.request_id
             os.kill(a.cp.proc.pid, signal.SIGKILL)
         assert request_id is not None
-        with CoalesceClient(b.address) as cb:
+        with CoalesceClient(b.address, timeout=60) as cb:
             rest = cb.resume(request_id, len(received)).result()
-        assert received + rest.token_ids == undisturbed
+        assert received + rest.token_ids == undisturbed and rest.finish_reason == "length"
     finally:
         a.stop()
         b.stop()

@@ -1,15 +1,13 @@
 """When the shared store or a replica fails, against real processes and a real redis-server: a Redis restart
 without persistence ends no stream early (the journal claims the lost requests again and rewrites their
-logs), and a keyless request whose replica died is continued by a Resume on another replica."""
+logs). (A keyless request whose replica died: tests/e2e/test_dedup.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 
 import pytest
-from serve_process import Replica, pair_of
+from serve_process import Replica
 
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
@@ -61,27 +59,3 @@ def test_a_redis_restart_without_persistence_ends_no_stream(redis_server: object
         assert any("claimed again" in line for line in replica.cp.lines)  # the journal re-claimed them
     finally:
         replica.stop()
-
-
-def test_a_keyless_request_is_continued_when_its_replica_dies(redis_server: object) -> None:
-    a, b = pair_of(redis_server.url)  # type: ignore[attr-defined]
-    try:
-        common = {**GREEDY, "max_tokens": 64}
-        with CoalesceClient(b.address) as cb:
-            undisturbed = cb.generate("no key at all", **common).result().token_ids  # type: ignore[arg-type]
-        with CoalesceClient(a.address, retry=NO_RETRY) as ca:
-            gen = ca.generate("no key at all", stream=True, dedup="off", **common)  # type: ignore[arg-type]
-            received: list[int] = []
-            for chunk in gen:
-                received += chunk.token_ids
-                if len(received) >= 8:
-                    break
-            request_id = gen.request_id
-            os.kill(a.cp.proc.pid, signal.SIGKILL)
-        assert request_id is not None
-        with CoalesceClient(b.address, timeout=60) as cb:
-            rest = cb.resume(request_id, len(received)).result()  # used to hang until the caller's deadline
-        assert received + rest.token_ids == undisturbed and rest.finish_reason == "length"
-    finally:
-        a.stop()
-        b.stop()
