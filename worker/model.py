@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionMetadata, attend
+
+if TYPE_CHECKING:
+    from worker.kv_cache import Store
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -156,7 +159,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[Store, Store],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -191,7 +194,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[Store, Store],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, meta)
@@ -217,7 +220,7 @@ class Transformer(nn.Module):
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: list[tuple[Store, Store]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens; writes their K/V into `caches`."""
