@@ -50,7 +50,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "kv_cache_mb", "block_size")
+    keys = ("model", "device", "dtype", "kv_cache_mb", "kv_cache_dtype", "block_size")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -109,6 +109,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights' dtype")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["model", "int8", "auto"],
+        help="KV cache contents: the model's dtype (default), int8, or auto (int8 once memory runs short)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
 
 

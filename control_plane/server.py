@@ -101,6 +101,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             vocab_size=info.vocab_size,
             max_context=info.max_context,
             eos_token_ids=info.eos_token_ids,
+            kv_cache_dtype=info.kv_cache_dtype,
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
         )
 
