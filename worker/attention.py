@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import PackedBatch, SeqSlice
+from worker.kv_quant import rotate
 
 if TYPE_CHECKING:
     from worker.kv_cache import Store
@@ -120,12 +121,23 @@ def attend(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches: stores of [blocks, block_size, KV, D]. Returns [T, H * D]."""
-    t, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
     k_cache.write(meta.slots, k)
     v_cache.write(meta.slots, v)
+    rotation = k_cache.rotation
+    if rotation is None:
+        return _over_cache(q, k.shape[1], k_cache, v_cache, meta)
+    # Int8 stores hold K and V rotated (worker/kv_quant.py): q·k = (qR)·(kR), and attention over rotated
+    # values gives rotated outputs, so rotating the queries and the outputs is all it takes.
+    out = _over_cache(rotate(q, rotation), k.shape[1], k_cache, v_cache, meta)
+    return rotate(out.view(q.shape), rotation.T).view(out.shape)
 
+
+def _over_cache(
+    q: torch.Tensor, kv_heads: int, k_cache: Store, v_cache: Store, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Each sequence's queries over its cached K/V (this step's included); [T, H * D]."""
+    t, heads, dim = q.shape
+    group = heads // kv_heads
     out = q.new_empty(t, heads, dim)
     if meta.decode is not None:
         d = meta.decode

@@ -5,8 +5,8 @@ copies blocks when asked (copy-on-write of a shared, partially filled block) and
 whole cache to int8 when asked. What each kv_cache_dtype stores (docs/kv_cache.md):
 
 - model: K/V in the model's dtype.
-- int8: int8 K/V plus a scale per (token, KV head) (worker/kv_quant.py), quantized as attention writes them
-  and dequantized as it gathers a step's blocks.
+- int8: int8 K/V (rotated) plus a one-byte scale per (token, KV head, 32 channels) (worker/kv_quant.py),
+  quantized as attention writes them and dequantized as it gathers a step's blocks.
 - auto: one arena per layer, sized in int8 blocks ("units"). It starts in the model's dtype, where block b
   (a multiple of `units`, the dtype's size in bytes) spans units b .. b + units - 1; `to_int8` converts
   every block in place (b keeps its id, the other units become blocks of their own) and the cache stays
@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 
 from worker.config import WorkerSettings
-from worker.kv_quant import SCALE_DTYPE, dequantize, quantize
+from worker.kv_quant import SCALE_DTYPE, dequantize, groups, quantize, rotation
 from worker.model import ModelConfig
 
 CPU_DEFAULT_BUDGET_BYTES = 256 * 2**20
@@ -38,7 +38,7 @@ def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dty
     vectors = 2 * config.num_layers * block_size * config.num_kv_heads
     if kv_dtype == "model":
         return vectors * config.head_dim * units_per_block(dtype)
-    return vectors * (config.head_dim + units_per_block(SCALE_DTYPE))
+    return vectors * (config.head_dim + groups(config.head_dim) * units_per_block(SCALE_DTYPE))
 
 
 def blocks_for_budget(
@@ -63,6 +63,8 @@ def budget_bytes(settings: WorkerSettings, device: torch.device) -> int:
 class PlainStore:
     """K or V of one layer in the model's dtype."""
 
+    rotation = None  # stored as they come
+
     def __init__(self, data: torch.Tensor) -> None:
         self.data = data  # [blocks, block_size, kv_heads, head_dim]
         self._rows = data.view(-1, *data.shape[2:])
@@ -80,15 +82,17 @@ class PlainStore:
 
 
 class Int8Store:
-    """K or V of one layer in int8, with a scale per (token, KV head); reads dequantize to `dtype`."""
+    """K or V of one layer in int8, rotated by `rotation`, with scales per (token, KV head, channel group); reads
+    dequantize to `dtype` (still rotated: attention rotates its queries and outputs to match)."""
 
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
-        self.data, self.scales, self.dtype = data, scales, dtype  # [blocks, bs, kv, dim] int8; [blocks, bs, kv]
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor) -> None:
+        self.data, self.scales, self.dtype = data, scales, dtype  # [blocks, bs, kv, dim] int8; [blocks, bs, kv, g]
+        self.rotation = rotation  # [dim, dim] float32
         self._rows = data.view(-1, *data.shape[2:])
-        self._scale_rows = scales.view(-1, scales.shape[2])
+        self._scale_rows = scales.view(-1, *scales.shape[2:])
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        q, scale = quantize(x)
+        q, scale = quantize(x.float() @ self.rotation)
         self._rows.index_copy_(0, slots, q)
         self._scale_rows.index_copy_(0, slots, scale)
 
@@ -132,7 +136,9 @@ class KVCache:
         self._data = [torch.zeros(blocks, *shape, dtype=data_dtype, device=device) for _ in range(tensors)]
         self._scales = []
         if kv_dtype != "model":
-            self._scales = [torch.zeros(num_blocks, *shape[:2], dtype=SCALE_DTYPE, device=device) for _ in self._data]
+            scale_shape = (num_blocks, *shape[:2], groups(config.head_dim))
+            self._scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in self._data]
+        self.rotation = rotation(config.head_dim).to(device)
         self.int8 = kv_dtype == "int8"
         self.layers = self._stores()
 
@@ -156,7 +162,7 @@ class KVCache:
         if self.int8:
             shape = (self.num_blocks, *self._data[0].shape[1:])
             views = [d.view(torch.int8).view(shape) for d in self._data]
-            stores = [Int8Store(v, s, self.dtype) for v, s in zip(views, self._scales, strict=True)]
+            stores = [Int8Store(v, s, self.dtype, self.rotation) for v, s in zip(views, self._scales, strict=True)]
         else:
             stores = [PlainStore(d) for d in self._data]
         return list(zip(stores[0::2], stores[1::2], strict=True))
@@ -182,7 +188,7 @@ class KVCache:
                 hi = min(lo + CONVERT_CHUNK, data.shape[0])
                 # quantize() returns new tensors, so blocks lo..hi are read in full before their first units
                 # (which lie inside them) are overwritten; blocks past hi are not touched.
-                q, scale = quantize(data[lo:hi])
+                q, scale = quantize(data[lo:hi].float() @ self.rotation)
                 units[lo * self.units : hi * self.units : self.units] = q
                 scales[lo * self.units : hi * self.units : self.units] = scale
         self.int8 = True

@@ -16,7 +16,7 @@ from conftest_server import TEST_SETTINGS
 from protos.coalesce.v1 import worker_pb2
 from worker.engine import Engine, StepError
 from worker.kv_cache import Int8Store, PlainStore, block_bytes
-from worker.kv_quant import decode_scale, dequantize, quantize
+from worker.kv_quant import decode_scale, dequantize, quantize, rotation
 from worker.model import SUPPORTED_ARCHITECTURES
 from worker.runner import ModelRunner
 from worker.weights import load_model
@@ -29,22 +29,41 @@ GREEDY = W.WorkerSampling(logprobs=5)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_error_is_at_most_half_a_step(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
-    magnitude = torch.logspace(-3, 4, 48)[:, None, None]  # each vector gets its own scale
+    magnitude = torch.logspace(-3, 4, 48)[:, None, None]  # each vector gets its own scales
     x = torch.randn(48, 3, 64, generator=g) * magnitude
     x[5] = 0  # all-zero vectors
-    x[7, 1, 9] = 3e4  # one outlier: only its own vector's step grows
+    x[7, 1, 9] = 3e4  # one outlier: only its own group of 32 channels gets a coarser step
     x = x.to(dtype)
     q, code = quantize(x)
-    assert q.dtype == torch.int8 and q.shape == x.shape and code.shape == x.shape[:-1] and code.dtype == torch.uint8
-    xf, s = x.float(), decode_scale(code)
-    amax = xf.abs().amax(-1)
+    assert q.dtype == torch.int8 and q.shape == x.shape and code.shape == (48, 3, 2) and code.dtype == torch.uint8
+    xg, s = x.float().view(48, 3, 2, 32), decode_scale(code)
+    amax = xg.abs().amax(-1)
     ratio = (s / (amax / 127))[amax > 0]
     assert ratio.min() >= 1 - 1e-6 and ratio.max() <= 2 ** (1 / 8) + 1e-6  # rounded up (nothing clips), < 9 %
-    err = (dequantize(q, code, torch.float32) - xf).abs()
+    err = (dequantize(q, code, torch.float32).view(48, 3, 2, 32) - xg).abs()
     assert (err <= s[..., None] * (0.5 + 1e-5)).all()
     assert (q[5] == 0).all() and (dequantize(q, code, dtype)[5] == 0).all()
-    assert dequantize(q, code, dtype).dtype == dtype
-    assert s[7, 0] < 1e-3 * s[7, 1] and s[7, 2] < 1e-3 * s[7, 1]  # the outlier's neighbours keep their steps
+    assert dequantize(q, code, dtype).dtype == dtype and dequantize(q, code, dtype).shape == x.shape
+    outlier = s[7, 1, 0]
+    assert s[7, 1, 1] < 1e-3 * outlier and s[7, 0].max() < 1e-3 * outlier and s[7, 2].max() < 1e-3 * outlier
+
+
+def test_a_head_dim_that_is_not_a_multiple_of_32_gets_one_scale_per_vector() -> None:
+    x = torch.randn(5, 2, 24)
+    q, code = quantize(x)
+    assert code.shape == (5, 2, 1) and (dequantize(q, code, torch.float32) - x).abs().max() < x.abs().max() / 200
+
+
+@pytest.mark.parametrize("dim", [64, 32, 24])
+def test_rotation_is_orthonormal_and_spreads_outlier_channels(dim: int) -> None:
+    r = rotation(dim)
+    torch.testing.assert_close(r @ r.T, torch.eye(dim), atol=1e-6, rtol=0)
+    assert torch.equal(r, rotation(dim))  # the same matrix every time
+    keys = torch.randn(256, dim, generator=torch.Generator().manual_seed(1))
+    keys[:, 3] += 20  # one large channel, as keys have
+    spread = keys @ r
+    assert (keys.abs().amax(-1) / keys.norm(dim=-1)).mean() > 0.9  # the channel dominates every key...
+    assert (spread.abs().amax(-1) / spread.norm(dim=-1)).mean() < 0.6  # ...and no longer after the rotation
 
 
 def test_tiny_vectors_share_the_smallest_step() -> None:
@@ -135,7 +154,7 @@ def test_the_converting_step_reads_blocks_written_in_the_model_dtype_and_in_int8
     assert auto.runner.cache.int8 and all(isinstance(s, Int8Store) for s in after)
     for old, store in zip(before, after, strict=True):  # converted in place: block b's K/V are now unit b's
         assert isinstance(store, Int8Store)
-        q, code = quantize(old)
+        q, code = quantize(old.float() @ store.rotation)
         assert torch.equal(store.data[0 : 2 * u : u], q) and torch.equal(store.scales[0 : 2 * u : u], code)
     want = run(model, converting_script(1))
     assert got[:2] == want[:2]  # until the conversion, exactly the model-dtype cache's numbers
@@ -194,5 +213,5 @@ def test_info_and_sizing(kv: str, units: int) -> None:
     assert (info.kv_cache_dtype, info.kv_block_units, info.dtype) == (expected, units, "float32")
     per_block = block_bytes(config, 16, FP32, "model" if kv == "model" else "int8")
     assert info.num_blocks == 4 * 2**20 // per_block // units * units
-    if kv != "model":  # per token and KV head: 32 int8 values + a one-byte scale, against 32 float32 values
+    if kv != "model":  # per token and KV head: 32 int8 values and a one-byte scale, against 32 float32 values
         assert per_block * 128 == block_bytes(config, 16, FP32) * 33
