@@ -2,7 +2,7 @@
 
 1. Capacity: for a fixed `--kv-cache-mb`, the blocks the worker's own sizing gives each cache dtype and the
    sequences of `--capacity-context` tokens they hold, as ratios to bfloat16 and float32 caches; for the
-   builtin model and, with `--model`, that checkpoint's shape.
+   builtin model and for each `--shape DIR` (a checkpoint's config.json; e.g. SmolLM2's).
 2. Decode speed: the worker's Engine in process (as bench/worker_step.py), a batch of `--batch` sequences with
    `--context`-token prompts, float32 cache against int8 cache on the same weights; best of `--repeats`,
    alternating the two.
@@ -14,7 +14,7 @@
 
 The machine is shared: times are noisy.
 
-    .venv/bin/python bench/kv_cache.py [--quick] [--model DIR] [--out FILE.md]
+    .venv/bin/python bench/kv_cache.py [--quick] [--model DIR] [--shape DIR ...] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a fast smoke run (small sizes)")
     parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: the builtin model)")
+    parser.add_argument("--shape", action="append", default=[], help="a checkpoint whose capacity to tabulate too")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="capacity: the budget compared")
     parser.add_argument("--capacity-context", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=32)
@@ -221,8 +222,8 @@ def main() -> None:
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     lines += capacity("builtin", model_config("builtin"), args.kv_cache_mb, args.capacity_context)
-    if args.model:
-        lines += capacity(Path(args.model).name, model_config(args.model), args.kv_cache_mb, args.capacity_context)
+    for shape in ([args.model] if args.model else []) + args.shape:
+        lines += capacity(Path(shape).name, model_config(shape), args.kv_cache_mb, args.capacity_context)
 
     print("decode speed...", file=sys.stderr, flush=True)
     fp32, int8 = decode_speed(model, args.batch, args.context, args.steps, args.repeats)

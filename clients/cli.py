@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("worker_step", "serve_load", "dedup")
+BENCHES = ("worker_step", "serve_load", "dedup", "kv_cache", "kv_quality")
 BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
 
 

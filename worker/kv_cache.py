@@ -152,11 +152,6 @@ class KVCache:
         """An auto cache still in the model's dtype."""
         return self.kv_dtype == "auto" and not self.int8
 
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        """What the K/V values are stored as now."""
-        return torch.int8 if self.int8 else self.dtype
-
     def _stores(self) -> list[tuple[Store, Store]]:
         stores: list[Store]
         if self.int8:

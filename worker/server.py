@@ -86,7 +86,7 @@ def _startup_lines(settings: WorkerSettings, engine: Engine, port: int) -> list[
     info = engine.info()
     lines = [
         f"coalesce worker listening on {settings.host}:{port} "
-        f"(model {info.model_name}, device {info.device}, {info.num_blocks} KV blocks)"
+        f"(model {info.model_name}, device {info.device}, {info.num_blocks} KV blocks, KV {info.kv_cache_dtype})"
     ]
     if info.model_name == "builtin":
         lines.append(
