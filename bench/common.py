@@ -41,11 +41,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(model: str | None, max_batch: int, metrics_port: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`coalesce serve --port 0` as a child process; yields its address, stops it with Ctrl-C (SIGINT),
-    which drains in-flight requests and stops the workers."""
+def serve(
+    model: str, max_batch: int, metrics_port: int, env: dict[str, str] | None = None, dtype: str = "auto"
+) -> Iterator[str]:
+    """`coalesce serve --port 0 --model MODEL --dtype DTYPE` as a child process; yields its address, stops it
+    with Ctrl-C (SIGINT), which drains in-flight requests and stops the workers."""
     cmd = [sys.executable, "-m", "clients.cli", "serve", "--port", "0", "--metrics-port", str(metrics_port)]
-    cmd += ["--model", model] if model else []
+    cmd += ["--model", model, "--dtype", dtype]
     # The interactive pool runs 8 sequences by default (latency first); the bench asks for batches of 32.
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(max_batch)}
     full_env.update(env or {})

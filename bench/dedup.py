@@ -64,6 +64,8 @@ WORKER = re.compile(r"coalesce worker listening on (\S+):(\d+)")
 # The builtin model's byte tokenizer: ids 0-255 are bytes, 256/257 are BOS/EOS. Prompts stay below 256.
 BYTE_IDS = 256
 KV_CACHE_MB = "128"  # 64 sequences x 128 tokens is ~16 MiB of fp32 KV for the builtin model; room to spare
+# The figures are about dedup, not the model: the builtin model in float32, as before `--dtype auto` chose bf16.
+MODEL = ("--model", "builtin", "--dtype", "float32")
 
 
 class Coalesce:
@@ -233,7 +235,7 @@ def part1(n: int, prompt_tokens: int, max_tokens: int) -> list[Burst]:
     metrics_port = free_port()
     # One batch for every burst (see the docstring), and the batch buffer's default wait.
     env = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(n)}
-    args = ("--kv-cache-mb", KV_CACHE_MB, "--metrics-port", str(metrics_port), "--store", "memory")
+    args = (*MODEL, "--kv-cache-mb", KV_CACHE_MB, "--metrics-port", str(metrics_port), "--store", "memory")
     with coalesce("serve", *args, ready=SERVING, env=env) as address:
         asyncio.run(burst(address, warmup, 4, None))  # first steps pay for allocation and kernel selection
         return [
@@ -267,7 +269,7 @@ def part2(replays: int, fresh: int, prompt_tokens: int, max_tokens: int) -> Late
     keyed = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True, "idempotency_key": "bench-replay"}
     with ExitStack() as stack:
         url = stack.enter_context(redis_server())
-        worker = stack.enter_context(coalesce("worker", "--kv-cache-mb", "32", ready=WORKER))
+        worker = stack.enter_context(coalesce("worker", *MODEL, "--kv-cache-mb", "32", ready=WORKER))
         address = stack.enter_context(coalesce("control-plane", "--worker", worker, "--store", url,
                                                ready=CONTROL_PLANE))  # fmt: skip
         # The key is explicit, so retries would add nothing but could hide a failure: off.

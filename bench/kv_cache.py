@@ -154,7 +154,7 @@ def load_test(model: str | None, requests: int, prompt_len: int, max_tokens: int
             "COALESCE_POOLS__INTERACTIVE__KV_SHARE": "0.95",  # the pools' shares add up to at most 1
             "COALESCE_POOLS__BATCH__KV_SHARE": "0.05",
         }
-        with serve(model, requests, metrics_port, env) as address:
+        with serve(model or "builtin", requests, metrics_port, env, dtype="float32") as address:
             wall, tokens, info = asyncio.run(_burst(address, work, max_tokens))
             metrics = _metrics(metrics_port)
         outputs[kv] = tokens

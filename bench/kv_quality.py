@@ -40,8 +40,9 @@ from tokenizers import Tokenizer  # noqa: E402
 from worker.batch import PackedBatch, SeqSlice  # noqa: E402
 from worker.kv_cache import PlainStore  # noqa: E402
 from worker.kv_quant import dequantize, quantize, rotation  # noqa: E402
+from worker.loaded import LoadedModel  # noqa: E402
+from worker.loading import load_model  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
-from worker.weights import LoadedModel, load_model  # noqa: E402
 
 DEFAULT_DOCS = str(ROOT.parent / "shared" / "seeds" / "*.txt")
 BLOCK_SIZE = 16

@@ -28,7 +28,11 @@ overhead = 1 - d(coalesce_step_forward_seconds_total) / d(coalesce_step_loop_sec
 Tracing cost: the closed loop runs again on fresh servers with tracing off and on (OTLP export to a local
 receiver that counts spans), alternating off/on three times so drift hits both alike.
 
-    .venv/bin/python bench/serve_load.py [--quick] [--requests N] [--rate R] [--model DIR] [--out FILE.md]
+    .venv/bin/python bench/serve_load.py [--quick] [--requests N] [--rate R] [--model builtin|smollm2|FILE.gguf|DIR]
+        [--dtype auto|float32|bfloat16] [--out FILE.md]
+
+Both sides run the same weights in the same dtype (`auto` resolves as the worker does: bfloat16 on CPUs with
+native bfloat16 matmuls, else float32); a GGUF model is loaded by transformers' own GGUF loader.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import os
 import random
@@ -51,20 +54,23 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/serve_load.py`),
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from bench.common import free_port, overhead, percentile, scrape, serve  # noqa: E402
+from bench.hf_reference import load_reference  # noqa: E402
 from bench.tracing_sink import otlp_sink  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
 from worker.builtin import BUILTIN_CONFIG, random_state  # noqa: E402
+from worker.device import resolve_dtype  # noqa: E402
 from worker.model import ModelConfig  # noqa: E402
 
 # Measured on 2 CPU cores with the builtin model: the closed loop at 32 does 22-27 req/s of this workload
 # (1,000-1,300 tok/s), so 16 req/s (~750 tok/s offered) keeps the server busy without an ever-growing queue.
 DEFAULT_RATE = 16.0
+PROMPT_IDS = 256  # prompts are random ids below this: valid in every model's vocabulary
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,7 @@ class Row:
         return sum(t.tokens for t in self.timings) / self.span_s
 
 
-def make_workload(n: int, rate: float, seed: int, vocab: int, quick: bool) -> list[Request]:
+def make_workload(n: int, rate: float, seed: int, quick: bool) -> list[Request]:
     """Log-normal prompt lengths (median 64, clipped to 16..512) and max_tokens (median 40, 16..128):
     most requests are short, a few are long, as in chat traffic. Poisson arrivals at `rate`."""
     rng = random.Random(seed)
@@ -110,7 +116,7 @@ def make_workload(n: int, rate: float, seed: int, vocab: int, quick: bool) -> li
         clock += rng.expovariate(rate)
         length = min(hi_prompt, max(16, round(rng.lognormvariate(math.log(64), 0.9))))
         new = min(hi_new, max(lo_new, round(rng.lognormvariate(math.log(40), 0.7))))
-        out.append(Request([rng.randrange(min(vocab, 256)) for _ in range(length)], new, clock))
+        out.append(Request([rng.randrange(PROMPT_IDS) for _ in range(length)], new, clock))
     return out
 
 
@@ -173,7 +179,7 @@ def coalesce_row(name: str, timings: list[Timing], port: int, before: dict[str, 
 def run_coalesce(args: argparse.Namespace, work: list[Request]) -> tuple[list[Row], bool]:
     """The three Coalesce set-ups on one server; also whether the metrics endpoint answered."""
     port = free_port()
-    with serve(args.model, args.concurrency, port) as address:
+    with serve(args.model, args.concurrency, port, dtype=args.dtype) as address:
         # Warm-up: the first steps pay for allocations and lazy init in the worker.
         asyncio.run(run_closed(address, work[: min(8, len(work))], 8))
         rows = []
@@ -194,7 +200,8 @@ def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
         tracing_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
         results: dict[str, list[float]] = {"off": [], "on": []}
         for label in ("off", "on") * (1 if args.quick else 3):
-            with serve(args.model, args.concurrency, free_port(), tracing_on if label == "on" else {}) as address:
+            env = tracing_on if label == "on" else {}
+            with serve(args.model, args.concurrency, free_port(), env, args.dtype) as address:
                 asyncio.run(run_closed(address, work[: min(8, len(work))], 8))  # warm-up
                 timings = asyncio.run(run_closed(address, work, args.concurrency))
                 span = max(t.finish for t in timings) - min(t.sent for t in timings)
@@ -288,13 +295,12 @@ def run_static(model: torch.nn.Module, work: list[Request], size: int) -> Row:
     return row
 
 
-def load_hf(model_dir: str | None) -> torch.nn.Module:
+def load_hf(model: str, dtype: torch.dtype) -> torch.nn.Module:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    if model_dir is None:
-        return hf_from_builtin().eval()
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    if model == "builtin":
+        return hf_from_builtin().to(dtype).eval()
+    return load_reference(model, dtype)
 
 
 # --- report -------------------------------------------------------------------------------------------
@@ -354,14 +360,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients, max batch, static batch")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--quick", action="store_true", help="a small smoke run (< 60 s)")
-    parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: the builtin model)")
+    parser.add_argument(
+        "--model", default="builtin", help="builtin (default), smollm2, a .gguf file or a checkpoint dir"
+    )
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="both sides' dtype")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
     if args.quick:
         args.requests = min(args.requests, 16)
 
-    vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]) if args.model else 258
-    work = make_workload(args.requests, args.rate, args.seed, vocab, args.quick)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    work = make_workload(args.requests, args.rate, args.seed, args.quick)
     tokens = sum(r.max_tokens for r in work)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     print(f"workload: {len(work)} requests, {tokens} tokens to generate; running Coalesce...", file=sys.stderr)
@@ -369,12 +378,13 @@ def main() -> None:
     print("comparing tracing off and on...", file=sys.stderr)
     tracing = run_tracing(args, work)
     print("running transformers static batching...", file=sys.stderr)
-    rows.append(run_static(load_hf(args.model), work, args.concurrency))
+    rows.append(run_static(load_hf(args.model, dtype), work, args.concurrency))
 
     lengths = sorted(len(r.prompt) for r in work)
     news = sorted(r.max_tokens for r in work)
     report = [
-        f"# coalesce serve under load: model {args.model or 'builtin'}, {torch.get_num_threads()} CPU threads",
+        f"# coalesce serve under load: model {args.model}, {str(dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} CPU threads",
         "",
         f"Workload (seed {args.seed}): {len(work)} requests, prompts {lengths[0]}..{lengths[-1]} tokens "
         f"(median {lengths[len(lengths) // 2]}), max_tokens {news[0]}..{news[-1]} (median {news[len(news) // 2]}), "

@@ -5,32 +5,33 @@ driven in process through Engine.step with real StepRequests (protocol handling 
 transformers runs greedy `generate` with a streamer that timestamps each new token, so both sides time
 the decode steps only, excluding the prefill. Each figure is the best of `--repeats` runs. Without
 `--model`, a random-init Llama shaped like the builtin model is saved as a Hugging Face checkpoint and
-loaded by both.
+loaded by both. With `--model smollm2` (or a .gguf file) transformers loads the same file with its own GGUF
+loader. Both sides run in `--dtype` (`auto` resolves as the worker does).
 
-    .venv/bin/python -m bench.worker_step [--quick] [--model DIR] [--device cpu|cuda|auto]
+    .venv/bin/python -m bench.worker_step [--quick] [--model smollm2|FILE.gguf|DIR] [--dtype auto|float32|bfloat16]
+        [--device cpu|cuda|auto]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
+from bench.hf_reference import load_reference
 from protos.coalesce.v1 import worker_pb2
 from worker.builtin import BUILTIN_CONFIG, byte_tokenizer
-from worker.config import WorkerSettings
+from worker.device import resolve_device, resolve_dtype
 from worker.engine import Engine
-from worker.kv_cache import block_bytes
-from worker.model import ModelConfig
-from worker.runner import ModelRunner, resolve_device, resolve_dtype
+from worker.loading import load_model
+from worker.runner import ModelRunner
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS_PER_STEP = 4096  # a control plane chunks big prefills; so does the bench
@@ -121,7 +122,8 @@ def bench_hf(model: torch.nn.Module, batch: list[list[int]], steps: int) -> tupl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a fast smoke run: small batches, short context")
-    parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: builtin-shaped random Llama)")
+    parser.add_argument("--model", help="smollm2, a .gguf file or a checkpoint dir (default: builtin-shaped Llama)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="both sides' dtype")
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
@@ -137,19 +139,16 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.model or tmp)
-        label = path.name if args.model else "random-init Llama shaped like the builtin model"
+        spec = args.model or tmp
+        label = Path(spec).name if args.model else "random-init Llama shaped like the builtin model"
         if not args.model:
-            write_builtin_shaped_checkpoint(path)
+            write_builtin_shaped_checkpoint(Path(tmp))
         device = resolve_device(args.device)
-        dtype = resolve_dtype("auto", device)
-        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-        need = max(batches) * -(-(context + steps + 1) // BLOCK_SIZE)
-        kv_mb = -(-need * block_bytes(config, BLOCK_SIZE, dtype) // 2**20) + 1
-        settings = WorkerSettings(model=str(path), device=args.device, kv_cache_mb=kv_mb, block_size=BLOCK_SIZE)
-        engine = Engine(ModelRunner.from_settings(settings))
-        hf: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        hf = hf.to(device).eval()
+        dtype = resolve_dtype(args.dtype, device)
+        loaded = load_model(spec, device, dtype)
+        num_blocks = max(batches) * -(-(context + steps + 1) // BLOCK_SIZE)
+        engine = Engine(ModelRunner(loaded, num_blocks, BLOCK_SIZE, device, dtype))
+        hf = load_reference(spec, dtype).to(device)
         vocab = engine.vocab_size
 
         rows, agree, total = [], 0, 0

@@ -10,26 +10,33 @@ Create it inside the running event loop (grpc.aio channels belong to the loop th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from clients.retry import Progress, RetryPolicy, next_delay, stream_broken
+from clients.retry import ABANDON_TIMEOUT_S, Progress, RetryPolicy, next_delay, stream_broken
 from clients.session import AsyncSession
 from clients.types import (
     CHANNEL_OPTIONS,
     Chunk,
     CoalesceError,
     GenerateOptions,
+    Message,
     Metadata,
     Result,
+    Tls,
     batch_items,
     build_request,
     call_metadata,
+    chat_messages,
     chunk_from_proto,
     collect,
+    deadline_of,
+    default_token,
     error_from_rpc,
+    time_left,
     with_key,
 )
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
@@ -39,11 +46,20 @@ if TYPE_CHECKING:  # typing.Unpack is 3.12+; annotations are never evaluated at 
 
 
 class AsyncGeneration:
-    """An async iterator of Chunks with the sync Generation's resume behaviour."""
+    """An async iterator of Chunks with the sync Generation's resume and deadline behaviour."""
 
-    def __init__(self, client: AsyncCoalesceClient, request: inference_pb2.GenerateRequest, resume_from: int | None):
+    def __init__(
+        self,
+        client: AsyncCoalesceClient,
+        request: inference_pb2.GenerateRequest,
+        resume_from: int | None,
+        timeout: float | None = None,
+        own_key: bool = False,
+    ):
         self.request = request
         self._client = client
+        self._deadline = deadline_of(timeout)
+        self._own_key = own_key
         self._progress = Progress()
         if resume_from is not None:
             self._progress.request_id, self._progress.offset = request.request_id, resume_from
@@ -74,10 +90,13 @@ class AsyncGeneration:
         client, progress, attempt = self._client, self._progress, 0
         while True:
             resume = progress.resume_request()
+            timeout = time_left(self._deadline)
             if resume is None:
-                call: Any = client._stub.Generate(self.request, metadata=client._metadata(self.request))
+                call: Any = client._stub.Generate(
+                    self.request, metadata=client._metadata(self.request), timeout=timeout
+                )
             else:
-                call = client._stub.Resume(resume, metadata=client._metadata())
+                call = client._stub.Resume(resume, metadata=client._metadata(), timeout=timeout)
             try:
                 async for msg in call:
                     chunk = progress.accept(chunk_from_proto(msg if resume is None else msg.chunk))
@@ -92,7 +111,17 @@ class AsyncGeneration:
                 err = error_from_rpc(exc)
             finally:
                 call.cancel()
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                await self._abandon()
             attempt = await client._backoff(attempt, err)
+
+    async def _abandon(self) -> None:
+        """Our deadline passed and we will not come back: free the work our own key kept resumable."""
+        request_id = self._progress.request_id or self.request.request_id
+        if self._own_key and request_id:
+            request = inference_pb2.CancelRequest(request_id=request_id)
+            with contextlib.suppress(grpc.RpcError):
+                await self._client._stub.Cancel(request, metadata=self._client._metadata(), timeout=ABANDON_TIMEOUT_S)
 
 
 class AsyncCoalesceClient:
@@ -103,16 +132,21 @@ class AsyncCoalesceClient:
         address: str,
         token: str | None = None,
         *,
+        tls: Tls | None = None,
         retry: RetryPolicy | None = None,
         timeout: float | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.address = address
         self.retry = retry or RetryPolicy()
-        self._token = token
+        self._token = token if token is not None else default_token()
         self._timeout = timeout
         self._sleep = sleep
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.secure_channel(address, tls.credentials(), options=CHANNEL_OPTIONS)
+            if tls is not None
+            else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
 
     async def __aenter__(self) -> AsyncCoalesceClient:
@@ -128,11 +162,23 @@ class AsyncCoalesceClient:
         return call_metadata(self._token, request.idempotency_key if request is not None else "")
 
     def generate(
-        self, prompt: str | Sequence[int] | inference_pb2.GenerateRequest, **options: Unpack[GenerateOptions]
+        self,
+        prompt: str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> AsyncGeneration:
-        """Start a generation (options as `build_request`'s); nothing is sent until it is iterated."""
+        """Start a generation (options as `build_request`'s, `timeout` as the sync client's); nothing is sent
+        until it is iterated."""
         request = prompt if isinstance(prompt, inference_pb2.GenerateRequest) else build_request(prompt, **options)
-        return AsyncGeneration(self, with_key(request, self.retry.enabled), resume_from=None)
+        keyed = with_key(request, self.retry.enabled)
+        own_key = keyed.idempotency_key != request.idempotency_key and not request.resumable
+        return AsyncGeneration(self, keyed, resume_from=None, timeout=timeout, own_key=own_key)
+
+    def chat(self, messages: Iterable[Message], **options: Unpack[GenerateOptions]) -> AsyncGeneration:
+        """A reply to a conversation ({"role": "user", "content": "..."} dicts or (role, content) pairs), rendered by
+        the server through the model's chat template; it stops at the model's end-of-turn token."""
+        return self.generate(chat_messages(messages), **options)
 
     def resume(self, request_id: str, offset: int) -> AsyncGeneration:
         return AsyncGeneration(self, inference_pb2.GenerateRequest(request_id=request_id), resume_from=offset)

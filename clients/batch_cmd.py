@@ -8,10 +8,10 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from clients.cli import CommandError
 from clients.client import ITEM_ENDED, CoalesceClient
+from clients.command_error import CommandError
 from clients.generate_cmd import describe, usage_json
-from clients.types import CoalesceError, Usage, build_request
+from clients.types import CoalesceError, Usage, build_request, tls_of
 from protos.coalesce.v1 import inference_pb2
 
 # Item fields and the JSON types they accept (bool is excluded from numbers: True is not a max_tokens).
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise CommandError(f"cannot read {args.file}: {exc.strerror}", 2) from None
     try:
-        with CoalesceClient(args.address, args.token) as client:
+        with CoalesceClient(args.address, args.token, tls=tls_of(args)) as client:
             submitted = client.submit_batch(args.batch_id, items)
             # With --wait stdout is only JSON lines; the summary goes to stderr.
             summary = f"batch {submitted.batch_id}: {submitted.queued} queued, {submitted.skipped} skipped"

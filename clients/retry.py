@@ -38,6 +38,8 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1)
+# After its deadline passed, a generation the client keyed itself is cancelled (best effort) within this.
+ABANDON_TIMEOUT_S = 2.0
 
 
 def is_retryable(err: CoalesceError) -> bool:

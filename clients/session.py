@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # typing.Unpack is 3.12+; annotations are never evaluated at 
 
 # What a generation's queue carries: chunks, then None (finished) or the error that ended it.
 Item = Chunk | CoalesceError | None
-Prompt = str | Sequence[int] | inference_pb2.GenerateRequest
+Prompt = str | Sequence[int] | inference_pb2.ChatMessages | inference_pb2.GenerateRequest
 
 
 G = TypeVar("G", bound="_Stream")
@@ -132,6 +132,8 @@ class _SessionBase(ABC, Generic[G]):
         if gen is None:
             return []
         if resp.HasField("error"):
+            if resp.error.generation_continues:  # only a message was refused (we send none that can be)
+                return []
             del self._streams[resp.stream_id]
             return [(gen, session_error(resp.error))]
         chunk = chunk_from_proto(resp.chunk)

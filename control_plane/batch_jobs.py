@@ -1,19 +1,16 @@
-"""Batch jobs (DESIGN §4.10): each item is keyed (tenant, batch_id, seq_id) like an idempotency key, so a
+"""Batch jobs: each item is keyed (tenant, batch_id, seq_id) like an idempotency key, so a
 resubmission skips what succeeded (or still runs) and runs the rest, in the BATCH pool, nobody reading."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator
 
-import grpc
-
-from control_plane.admission import build_spec
-from control_plane.dedup import Deduper, request_fingerprint
-from control_plane.dispatcher import GenerationSpec
-from control_plane.errors import ApiError, invalid, not_found, store_down
-from dedup_service import Outcome, Record, State, StoreUnavailable, batch_key
+from control_plane.admission import Admission
+from control_plane.dedup import Dedup
+from control_plane.errors import invalid, not_found, store_down
+from control_plane.request import Request
+from dedup_service import Record, State, Store, StoreUnavailable, batch_key
 from protos.coalesce.v1 import inference_pb2
 
 MAX_ITEMS = 10_000
@@ -29,15 +26,17 @@ ENDED = (inference_pb2.ITEM_STATE_SUCCESS, inference_pb2.ITEM_STATE_FAILED)
 
 
 class BatchJobs:
-    def __init__(self, deduper: Deduper) -> None:
-        self.deduper = deduper
+    def __init__(self, admission: Admission, dedup: Dedup, store: Store) -> None:
+        self.admission = admission
+        self.dedup = dedup
+        self.store = store
 
     async def submit(self, request: inference_pb2.SubmitBatchRequest, tenant: str) -> inference_pb2.SubmitBatchResponse:
-        specs = self._validate(request, tenant)  # every item is checked before any runs
+        requests = self._validate(request, tenant)  # every item is checked before any runs
         queued = skipped = 0
         try:
-            for item, (spec, claimed) in zip(request.items, specs, strict=True):
-                if await self._claim(tenant, request.batch_id, item.seq_id, spec, claimed):
+            for item, admitted in zip(request.items, requests, strict=True):
+                if await self.dedup.run_item(admitted, request.batch_id, item.seq_id):
                     queued += 1
                 else:
                     skipped += 1
@@ -45,17 +44,13 @@ class BatchJobs:
             raise store_down(exc) from None
         return inference_pb2.SubmitBatchResponse(batch_id=request.batch_id, queued=queued, skipped=skipped)
 
-    def _validate(
-        self, request: inference_pb2.SubmitBatchRequest, tenant: str
-    ) -> list[tuple[GenerationSpec, inference_pb2.GenerateRequest]]:
+    def _validate(self, request: inference_pb2.SubmitBatchRequest, tenant: str) -> list[Request]:
         if not 0 < len(request.batch_id) <= MAX_ID:
             raise invalid("batch_id", f"must be 1 to {MAX_ID} characters")
         if not 0 < len(request.items) <= MAX_ITEMS:
             raise invalid("items", f"{len(request.items)} items; a batch has 1 to {MAX_ITEMS}")
-        d = self.deduper.d
-        assert d.tokenizer is not None and d.limits is not None
         seen: set[str] = set()
-        specs = []
+        admitted = []
         for i, item in enumerate(request.items):
             if not 0 < len(item.seq_id) <= MAX_ID or item.seq_id in seen:
                 raise invalid(f"items[{i}].seq_id", f"{item.seq_id!r} must be 1 to {MAX_ID} characters and unique")
@@ -63,61 +58,19 @@ class BatchJobs:
             claimed = inference_pb2.GenerateRequest()
             claimed.CopyFrom(item.request)
             claimed.pool, claimed.stream = inference_pb2.POOL_BATCH, False
-            claimed.request_id = claimed.request_id or uuid.uuid4().hex
-            settings = self.deduper.settings
-            specs.append(
-                (build_spec(claimed, tenant, d.tokenizer, d.limits, settings, prefix=f"items[{i}].request."), claimed)
-            )
-        return specs
-
-    async def _claim(
-        self, tenant: str, batch_id: str, seq_id: str, spec: GenerationSpec, claimed: inference_pb2.GenerateRequest
-    ) -> bool:
-        """Run the item unless it succeeded or runs already; True when it was queued."""
-        dd, store = self.deduper, self.deduper.store
-        fp = request_fingerprint(spec, claimed, dd.d.info.model_name)
-        for _ in range(2):
-            res = await store.claim_item(
-                tenant,
-                batch_id,
-                seq_id,
-                dd.owner,
-                fp,
-                spec.request_id,
-                dd.settings.lease_s,
-                payload=claimed.SerializeToString(),
-            )
-            record = res.record
-            if res.outcome is Outcome.REPLAY_ERROR:  # failed by its request last time: run it again
-                await store.purge(tenant, batch_key(batch_id, seq_id))
-                continue
-            if res.outcome is Outcome.KEY_REUSED:
-                raise ApiError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"batch {batch_id!r} item {seq_id!r} was submitted before with another request",
-                    "IDEMPOTENCY_KEY_REUSED",
-                )
-            if res.outcome is Outcome.CLAIMED and record is not None:
-                view = dd.d.submit(spec)
-                dd.replicator.own(view.gen, record.epoch, record.key, dd.replicated)
-            elif res.outcome is Outcome.TAKEOVER and record is not None:
-                view = await dd._take_over(record)
-            else:
-                return False  # SUCCESS or running
-            view.gen.detached_ok = True
-            view.gen.interest = 1
-            return True
-        return False
+            key = batch_key(request.batch_id, item.seq_id)  # the item's record; its payload is what re-runs
+            admitted.append(self.admission.admit(claimed, tenant, key=key, prefix=f"items[{i}].request."))
+        return admitted
 
     async def items(self, batch_id: str, tenant: str) -> list[inference_pb2.BatchItemStatus]:
         if not batch_id:
             raise invalid("batch_id", "must not be empty")
         try:
-            listed = await self.deduper.store.list_batch(tenant, batch_id)
+            listed = await self.store.list_batch(tenant, batch_id)
         except StoreUnavailable as exc:
             raise store_down(exc) from None
         if not listed:
-            raise not_found(f"batch {batch_id!r} is unknown or expired")
+            raise not_found(f"batch {batch_id!r} is unknown or expired", "BATCH_NOT_FOUND")
         return [item_status(item.seq_id, item.record) for item in listed]
 
     async def watch(self, batch_id: str, tenant: str) -> AsyncIterator[inference_pb2.BatchItemStatus]:

@@ -1,4 +1,4 @@
-"""Paged KV blocks of one worker and their prefix index (DESIGN §4.6).
+"""Paged KV blocks of one worker and their prefix index (docs/architecture.md, "Scheduling").
 
 Blocks hold `block_size` token positions. A block is used (refcount > 0: listed in that many block tables),
 cached (refcount 0 but its chained hash is in the index, kept in LRU order) or free. A fresh block comes

@@ -14,11 +14,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
+from security.settings import AuthSettings, InternalTlsSettings, TlsSettings
 from worker.config import WorkerSettings
 
 
 class PoolSettings(BaseModel):
-    """One scheduling pool (DESIGN §4.4)."""
+    """One scheduling pool (docs/architecture.md, "Scheduling")."""
 
     # Most sequences of this pool running at once on one worker.
     max_batch: int = Field(ge=1)
@@ -30,11 +31,21 @@ class PoolSettings(BaseModel):
     stream: bool
     # Most requests waiting in this pool's queue; past it, RESOURCE_EXHAUSTED.
     max_queue: int = Field(default=1024, ge=1)
+    # Most requests of one tenant in this pool (waiting or running, on this replica); past it,
+    # RESOURCE_EXHAUSTED TENANT_LIMIT, so no tenant can fill the queue for the others.
+    max_per_tenant: int = Field(default=256, ge=1)
 
 
 POOL_DEFAULTS: dict[str, dict[str, Any]] = {
     "interactive": {"max_batch": 8, "max_wait_ms": 30, "kv_share": 0.4, "stream": True},
-    "batch": {"max_batch": 64, "max_wait_ms": 300, "kv_share": 0.6, "stream": False, "max_queue": 10000},
+    "batch": {
+        "max_batch": 64,
+        "max_wait_ms": 300,
+        "kv_share": 0.6,
+        "stream": False,
+        "max_queue": 10000,
+        "max_per_tenant": 10000,
+    },
 }
 
 
@@ -94,8 +105,20 @@ class Settings(BaseSettings):
     # max_tokens when the request leaves it 0.
     default_max_tokens: int = Field(default=256, ge=1)
     max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    # Generations (and resumes) open at once on one Session stream; past it, RESOURCE_EXHAUSTED per stream.
+    session_max_streams: int = Field(default=256, ge=1)
+    # Messages a Session buffers for a caller that reads slowly; when full, the session stops reading
+    # the caller's requests and pauses its streams (gRPC flow control pushes back).
+    session_buffer: int = Field(default=64, ge=1)
     # Largest request message accepted, in bytes.
     max_request_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Who may call the public API (bearer tokens -> tenants), and TLS of the public port (docs/security.md).
+    auth: AuthSettings = AuthSettings()
+    tls: TlsSettings = TlsSettings()
+    # What a worker requires of its control plane: mTLS and/or this shared secret (COALESCE_INTERNAL_TOKEN).
+    internal_tls: InternalTlsSettings = InternalTlsSettings()
+    internal_token: str = Field(default="", repr=False)
 
     @model_validator(mode="after")
     def _shares_fit(self) -> Settings:

@@ -1,7 +1,10 @@
-"""The control plane's core: admits sequences onto worker links, turns sampled tokens into text and
-fans them out, cancels, recovers from lost workers, and forgets generations after the resume window.
+"""The dispatcher: runs computations on worker links and hands their tokens to the generation records.
 
-Everything here runs on the event loop thread; each worker link calls `_on_step` synchronously.
+It owns three things, and nothing else edits them: the requests of this replica by id (what Resume and
+Cancel find, kept for the resume window), the shareable computations in flight by content (what an identical
+request attaches to), and which worker link runs each generation. Tokens come back one way: link ->
+scheduler `complete` (every stop condition decided there) -> here, into the generation and its readers, then
+one touch of the journal (the shared token log) per step. Everything runs on the event loop thread.
 """
 
 from __future__ import annotations
@@ -9,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from tokenizers import Tokenizer
 
@@ -19,45 +23,31 @@ from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
 from control_plane.generation import Generation, View
 from control_plane.observer import Observer
+from control_plane.request import Request
 from control_plane.routing import choose_worker
 from control_plane.scheduler import QueueFull, TooLarge
 from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
-from control_plane.validation import Limits
 from control_plane.worker_link import WorkerLink
 from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 
 MISS = inference_pb2.DEDUP_OUTCOME_MISS
+CANCELLED, ERROR = inference_pb2.FINISH_REASON_CANCELLED, inference_pb2.FINISH_REASON_ERROR
 FINISH = {"stop": inference_pb2.FINISH_REASON_STOP, "length": inference_pb2.FINISH_REASON_LENGTH}
 
 
-@dataclass(slots=True)
-class GenerationSpec:
-    """A validated, tokenized request, ready to schedule."""
+class Journal(Protocol):
+    """The shared side of generations (control_plane.replication.Replicator): told once per step that
+    generations changed, so it writes their new tokens and finishes to the store."""
 
-    request_id: str
-    tenant: str
-    prompt_ids: list[int]
-    max_tokens: int
-    pool: str
-    sampling: worker_pb2.WorkerSampling
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    traceparent: str = ""
+    def touch(self) -> None: ...
 
 
-@dataclass(slots=True)
-class Active:
-    """A sequence being computed for a generation."""
-
-    spec: GenerationSpec
-    seq: Sequence
-    gen: Generation
-    text: IncrementalText
-    link: WorkerLink
+class _NoJournal:
+    def touch(self) -> None:
+        pass
 
 
 class Dispatcher:
@@ -67,18 +57,19 @@ class Dispatcher:
         addresses: list[str],
         clock: Callable[[], float] = time.monotonic,
         observer: Observer | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
-        self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
         self.observer = observer or Observer()
-        # Every request's view, by request id: what Resume and Cancel find (kept for the resume window).
-        self.views: dict[str, View] = {}
+        self.journal = journal or _NoJournal()
+        self.links = [WorkerLink(a, settings, self._on_step, self._on_lost, clock) for a in addresses]
         self.tokenizer: Tokenizer | None = None
-        self.limits: Limits | None = None
         self.eos_ids: frozenset[int] = frozenset()
-        self._active: dict[int, Active] = {}
-        self._by_request: dict[str, Active] = {}
+        self.views: dict[tuple[str, str], View] = {}  # every request here, by (tenant, request id)
+        self.leaders: dict[tuple[str, str], View] = {}  # shareable computations, by (tenant, fingerprint)
+        self.running: dict[Generation, tuple[WorkerLink, Sequence]] = {}  # computed here, and where
+        self.per_tenant: Counter[tuple[str, str]] = Counter()  # (tenant, pool) -> generations in `running`
         self._next_seq = 1
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -93,17 +84,8 @@ class Dispatcher:
             task.cancel()
         if not done:
             raise RuntimeError(f"no worker answered within {timeout:.0f} s: {[link.address for link in self.links]}")
-        info = next(link.info for link in self.links if link.info is not None)
-        assert info is not None
-        self.tokenizer = Tokenizer.from_str(info.tokenizer_json.decode())
-        self.eos_ids = frozenset(info.eos_token_ids)
-        self.limits = Limits(
-            model_name=info.model_name,
-            vocab_size=info.vocab_size,
-            max_context=info.max_context,
-            default_max_tokens=self.settings.default_max_tokens,
-            max_stop_strings=self.settings.max_stop_strings,
-        )
+        self.tokenizer = Tokenizer.from_str(self.info.tokenizer_json.decode())
+        self.eos_ids = frozenset(self.info.eos_token_ids)
 
     async def stop(self) -> None:
         for link in self.links:
@@ -116,96 +98,102 @@ class Dispatcher:
     def info(self) -> worker_pb2.InfoResponse:
         return next(link.info for link in self.links if link.info is not None)
 
-    # -- requests ----------------------------------------------------------------------------------------
-    def submit(self, spec: GenerationSpec, gen: Generation | None = None, outcome: int = MISS) -> View:
-        """Compute a generation; its first view has the spec's request id.
+    # -- the registry ------------------------------------------------------------------------------------
+    def find(self, tenant: str, request_id: str) -> View | None:
+        """A request of `tenant` (request ids are each tenant's own: another tenant's are never seen)."""
+        return self.views.get((tenant, request_id))
 
-        With `gen`, continue it: its logged tokens are re-prefilled (a takeover), then it goes on.
-        """
-        assert self.tokenizer is not None, "submit before start()"
-        if gen is None:
-            gen = Generation(spec.request_id, spec.tenant, prompt_tokens=len(spec.prompt_ids))
-        seq = self._sequence(spec, list(gen.token_ids))
-        link = self._route(seq)
-        self._enqueue(link, seq, spec.pool)
-        text = IncrementalText(self.tokenizer, spec.stop)
-        for token in gen.token_ids:  # a continued generation: its text so far is already logged
-            text.push(token)
-        active = Active(spec, seq, gen, text, link)
-        self._active[seq.seq_id] = active
-        self._by_request[gen.request_id] = active
-        self.observer.on_request(gen, spec, self.clock())
-        return self.add_view(View(spec.request_id, gen, outcome))
-
-    def add_view(self, view: View) -> View:
-        """Register a request's view (a new one, a duplicate's, or one mirrored from another replica)."""
-        self.views[view.request_id] = view
-        return view
-
-    def join(self, leader: View, request_id: str, outcome: int) -> View:
-        """A duplicate reads the leader's computation from offset 0 under its own request id."""
-        leader.gen.interest += 1
-        return self.add_view(View(request_id, leader.gen, outcome))
-
-    def running(self, request_id: str) -> View | None:
-        view = self.views.get(request_id)
-        return view if view is not None and not view.done else None
-
-    def _sequence(self, spec: GenerationSpec, output_ids: list[int]) -> Sequence:
-        seq = Sequence(
-            seq_id=self._next_seq,
-            request_id=spec.request_id,
-            tenant=spec.tenant,
-            pool=spec.pool,
-            prompt_ids=list(spec.prompt_ids),
-            max_tokens=spec.max_tokens,
-            sampling=spec.sampling,
-            eos_ids=self.eos_ids,
-            stop_token_ids=frozenset(spec.stop_token_ids),
-            ignore_eos=spec.ignore_eos,
-            traceparent=spec.traceparent,
-            output_ids=output_ids,
-        )
-        self._next_seq += 1
-        return seq
-
-    @staticmethod
-    def _enqueue(link: WorkerLink, seq: Sequence, pool: str) -> None:
-        try:
-            link.submit(seq)
-        except QueueFull as full:
-            raise exhausted(f"the {pool} pool's queue is full", full.retry_after_s) from None
-        except TooLarge as err:
-            raise invalid("sampling.max_tokens", f"the request cannot fit the KV cache: {err}") from None
+    def leader(self, request: Request) -> View | None:
+        """A computation identical to `request` in flight here (shareable requests only)."""
+        view = self.leaders.get((request.tenant, request.fingerprint)) if request.shareable else None
+        return view if view is not None and not view.gen.done else None
 
     def get(self, request_id: str, tenant: str) -> View:
-        view = self.views.get(request_id)
-        if view is None or view.tenant != tenant:  # never reveal another tenant's request
+        view = self.views.get((tenant, request_id))
+        if view is None:
             raise not_found(f"request {request_id!r} is unknown or expired")
         return view
 
+    def register(self, view: View) -> View:
+        """Make a request findable by id (a new one, or one mirrored from another replica)."""
+        self.views[(view.tenant, view.request_id)] = view
+        gen = view.gen
+        if gen.subscribers == 0 and gen.detached_at is None:  # until a reader attaches, nobody reads it
+            gen.detached_at = self.clock()
+        return view
+
+    def join(self, target: View, request_id: str, outcome: int, resumable: bool = False) -> View:
+        """Another request reads `target`'s computation from offset 0; the computation goes on while any
+        of its readers has not cancelled. Under a new request id it is findable by that id too."""
+        target.gen.interest += 1
+        view = View(request_id, target.gen, outcome, resumable)
+        return view if request_id == target.request_id else self.register(view)
+
+    def forget(self, tenant: str, request_id: str) -> None:
+        self.views.pop((tenant, request_id), None)
+
+    # -- computations ------------------------------------------------------------------------------------
+    def submit(self, request: Request, gen: Generation, outcome: int = MISS) -> View:
+        """Compute `gen` for `request`, continuing from the tokens it holds (a takeover re-prefills them)."""
+        assert self.tokenizer is not None, "submit before start()"
+        text = IncrementalText(self.tokenizer, request.stop)
+        for token in gen.token_ids:  # a continued generation: its text so far is already logged
+            text.push(token)
+        seq = Sequence(
+            seq_id=self._new_seq_id(),
+            request_id=request.request_id,
+            tenant=request.tenant,
+            pool=request.pool,
+            prompt_ids=list(request.prompt_ids),
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            eos_ids=self.eos_ids,
+            stop_token_ids=frozenset(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            traceparent=request.traceparent,
+            output_ids=list(gen.token_ids),
+            text=text,
+            gen=gen,
+        )
+        limit = getattr(self.settings.pools, request.pool).max_per_tenant
+        if self.per_tenant[(request.tenant, request.pool)] >= limit:
+            raise exhausted(
+                f"this tenant already has {limit} requests in the {request.pool} pool", 1.0, reason="TENANT_LIMIT"
+            )
+        link = self._route(seq)
+        self._enqueue(link, seq)
+        self.running[gen] = (link, seq)
+        self.per_tenant[(request.tenant, request.pool)] += 1
+        gen.max_tokens = request.max_tokens
+        view = self.register(View(request.request_id, gen, outcome, request.resumable))
+        if request.shareable:
+            self.leaders[(request.tenant, request.fingerprint)] = view
+        self.observer.on_request(gen, request, self.clock())
+        return view
+
     def cancel(self, request_id: str, tenant: str) -> bool:
-        """End one request; its computation stops when no other request reads it (DESIGN §4.3)."""
-        view = self.get(request_id, tenant)
+        """End one request; its computation stops when no other request reads it."""
+        return self.cancel_view(self.get(request_id, tenant))
+
+    def cancel_view(self, view: View) -> bool:
+        """End the request `view` stands for, at the tokens it has; False when it had already ended."""
         if view.done:
             return False
-        view.cancelled = True
+        view.cancel()
         gen = view.gen
         gen.interest -= 1
         gen.wake()
         if gen.interest <= 0:
-            self.abort(gen, inference_pb2.FINISH_REASON_CANCELLED)
+            self.abort(gen, CANCELLED)
         return True
 
     def abort(self, gen: Generation, reason: int, error: ApiError | None = None) -> None:
         """Stop computing `gen` for everyone."""
-        active = self._by_request.get(gen.request_id)
-        if active is not None and active.gen is gen:
-            active.link.abort(active.seq.seq_id)
-            self._end(active, reason, self.clock(), error)
-        else:
-            gen.finish(reason, self.clock(), error)
-            self.observer.on_finish(gen, self.clock())
+        self._end(gen, reason, self.clock(), error)
+
+    def release(self, gen: Generation) -> None:
+        """Stop computing `gen` here without finishing it (another replica computes it now)."""
+        self._unplace(gen)
 
     def attach(self, gen: Generation) -> None:
         gen.subscribers += 1
@@ -216,70 +204,15 @@ class Dispatcher:
         if gen.subscribers == 0:
             gen.detached_at = self.clock()
 
-    # -- step results ------------------------------------------------------------------------------------
-    def _on_step(
-        self, link: WorkerLink, plan: StepPlan, events: list[SeqEvent], resp: worker_pb2.StepResponse, loop_s: float
-    ) -> None:
-        now = self.clock()
-        for seq in plan.admitted:
-            active = self._active.get(seq.seq_id)
-            if active is not None and not active.gen.token_ids:
-                active.gen.queue_ms = (seq.dwell or 0.0) * 1000
-                active.gen.cached_tokens = seq.cached_prompt_tokens
-                self.observer.on_admitted(seq, active.gen, now)
-        logprobs = {t.seq_id: t.token for t in resp.tokens if t.token.top or t.token.logprob}
-        for event in events:
-            active = self._active.get(event.seq.seq_id)
-            if active is None:
-                continue
-            gen, seq = active.gen, active.seq
-            gen.append(event.token, active.text.push(event.token), logprobs.get(seq.seq_id))
-            self.observer.on_tokens(gen, 1, now)
-            reason = event.finish_reason
-            if reason is None and active.text.stopped:
-                link.finish(seq.seq_id, "stop")
-                reason = "stop"
-            if reason is not None:
-                gen.add_text(active.text.flush())
-                self._end(active, FINISH[reason], now)
-        self.observer.on_step(link, plan, events, resp, loop_s)
-
-    def _end(self, active: Active, reason: int, now: float, error: ApiError | None = None) -> None:
-        active.gen.finish(reason, now, error)
-        self._forget(active)
-        self.observer.on_finish(active.gen, now)
-
-    def _on_lost(self, link: WorkerLink, requeued: int, everything: bool) -> None:
-        """A worker was lost (its sequences are requeued there for recompute): move them to live workers.
-
-        With `everything`, the link's scheduler was replaced (the worker came back with another cache),
-        so all its sequences are rebuilt, onto itself if need be.
-        """
-        self.observer.on_worker_lost(link, requeued)
-        live = [other for other in self.links if other is not link and other.connected.is_set()]
-        if everything:
-            live.append(link)
-        if not live:
-            return  # they wait in this link's queues for the worker to return
-        for active in [a for a in self._active.values() if a.link is link]:
-            link.abort(active.seq.seq_id)
-            self._forget(active)
-            seq = self._sequence(active.spec, list(active.seq.output_ids))
-            target = self._route(seq, live)
-            try:
-                self._enqueue(target, seq, active.spec.pool)
-            except ApiError as err:
-                self._end(active, inference_pb2.FINISH_REASON_ERROR, self.clock(), err)
-                continue
-            active.seq, active.link = seq, target
-            self._active[seq.seq_id] = active
-            self._by_request[active.spec.request_id] = active
+    def _new_seq_id(self) -> int:
+        self._next_seq += 1
+        return self._next_seq - 1
 
     def _route(self, seq: Sequence, links: list[WorkerLink] | None = None) -> WorkerLink:
         candidates = [link for link in (links or self.links) if link.scheduler is not None]
         connected = [link for link in candidates if link.connected.is_set()] or candidates
         if not connected:
-            raise unavailable("no worker is connected")
+            raise unavailable("no worker is connected", "NO_WORKER_CONNECTED")
         index = choose_worker(
             [link.scheduler for link in connected],  # type: ignore[misc]
             seq.tokens(),
@@ -288,23 +221,98 @@ class Dispatcher:
         )
         return connected[index]
 
-    def _forget(self, active: Active) -> None:
-        self._active.pop(active.seq.seq_id, None)
-        if self._by_request.get(active.gen.request_id) is active:
-            del self._by_request[active.gen.request_id]
+    @staticmethod
+    def _enqueue(link: WorkerLink, seq: Sequence) -> None:
+        try:
+            link.submit(seq)
+        except QueueFull as full:
+            raise exhausted(f"the {seq.pool} pool's queue is full", full.retry_after_s) from None
+        except TooLarge as err:
+            problem = f"the request cannot fit the KV cache: {err}"
+            raise invalid("sampling.max_tokens", problem, "KV_CACHE_TOO_SMALL") from None
+
+    def _end(self, gen: Generation, reason: int, now: float, error: ApiError | None = None) -> None:
+        gen.finish(reason, now, error)
+        self._unplace(gen)
+        self.observer.on_finish(gen, now)
+        self.journal.touch()
+
+    def _unplace(self, gen: Generation) -> None:
+        placed = self.running.pop(gen, None)
+        if placed is None:
+            return
+        link, seq = placed
+        link.abort(seq.seq_id)  # a no-op for a sequence its scheduler ended already
+        count = (seq.tenant, seq.pool)
+        self.per_tenant[count] -= 1
+        if not self.per_tenant[count]:
+            del self.per_tenant[count]
+
+    # -- from the worker links ---------------------------------------------------------------------------
+    def _on_step(
+        self, link: WorkerLink, plan: StepPlan, events: list[SeqEvent], resp: worker_pb2.StepResponse, loop_s: float
+    ) -> None:
+        now = self.clock()
+        for seq in plan.admitted:
+            gen = seq.gen
+            if gen is not None and not gen.token_ids:
+                gen.admitted = True
+                gen.queue_ms = (seq.dwell or 0.0) * 1000
+                gen.cached_tokens = seq.cached_prompt_tokens
+                self.observer.on_admitted(seq, gen, now)
+        logprobs = {t.seq_id: t.token for t in resp.tokens if t.token.top or t.token.logprob}
+        for event in events:
+            gen = event.seq.gen
+            if gen is None or self.running.get(gen, (None, None))[1] is not event.seq:
+                continue  # no longer computed by this sequence (aborted, moved)
+            asked = event.seq.sampling.logprobs > 0  # the worker always sends the token's; 0 means none
+            gen.append(event.token, event.text, logprobs.get(event.seq.seq_id) if asked else None)
+            self.observer.on_tokens(gen, 1, now)
+            if event.finish_reason is not None:
+                self._end(gen, FINISH[event.finish_reason], now)
+        self.observer.on_step(link, plan, events, resp, loop_s)
+        if events or plan.admitted:
+            self.journal.touch()
+
+    def _on_lost(self, link: WorkerLink, requeued: int, cause: str) -> None:
+        """A worker was lost, or is still down (its sequences wait there for recompute): move them to live
+        workers. When it came back with another cache ("replaced"), all its sequences are rebuilt, onto
+        itself if need be."""
+        if cause == "lost":
+            self.observer.on_worker_lost(link, requeued)
+        live = [other for other in self.links if other is not link and other.connected.is_set()]
+        if cause == "replaced":
+            live.append(link)
+        if not live:
+            return  # they wait in this link's queues for the worker to return
+        for gen, (where, seq) in list(self.running.items()):
+            if where is not link:
+                continue
+            link.abort(seq.seq_id)
+            moved = seq.moved(self._new_seq_id())
+            target = self._route(moved, live)
+            try:
+                self._enqueue(target, moved)
+            except ApiError as err:
+                self._end(gen, ERROR, self.clock(), err)
+                continue
+            self.running[gen] = (target, moved)
 
     # -- housekeeping ------------------------------------------------------------------------------------
     def sweep(self, now: float) -> None:
-        """Abort computations nobody has read for the grace period; forget views of ones ended since."""
+        """Abort computations nobody has read for the grace period; forget requests ended since."""
         grace = self.settings.resume_grace_s
         for gen in {id(v.gen): v.gen for v in self.views.values()}.values():
             if not gen.done and gen.detached_at is not None and now - gen.detached_at >= grace and not gen.detached_ok:
                 log.info("request %s abandoned for %.0f s: cancelled", gen.request_id, grace)
-                self.abort(gen, inference_pb2.FINISH_REASON_CANCELLED)
-        for request_id, view in list(self.views.items()):
+                self.abort(gen, CANCELLED)
+        for name, view in list(self.views.items()):
             gen = view.gen
             if gen.done and gen.finished_at is not None and now - gen.finished_at >= grace and gen.subscribers == 0:
-                del self.views[request_id]
+                del self.views[name]
+        for content, view in list(self.leaders.items()):
+            if view.gen.done:
+                del self.leaders[content]
 
     async def _sweeper(self) -> None:
         while True:

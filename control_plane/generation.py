@@ -2,7 +2,7 @@
 
 The step loop appends synchronously (no awaits on the hot path); each subscriber follows from its own
 offset and receives everything new as one chunk, so a slow reader gets fewer, larger messages instead
-of falling behind (DESIGN §9: Python gRPC moves ~10^4 messages/s per process).
+of falling behind (Python gRPC moves ~10^4 messages/s per process; docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -11,20 +11,25 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from control_plane.errors import ApiError
+from control_plane.errors import ApiError, out_of_range
 from protos.coalesce.v1 import common_pb2, inference_pb2
 
 FinishReason = inference_pb2.FinishReason
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Generation:
-    """The tokens of one request, as they are produced; readable from any offset while it is kept."""
+    """The tokens of one computation, as they are produced; readable from any offset while it is kept.
+
+    The dispatcher is its only writer for computations that run here; the follower, for ones mirrored from
+    another replica's token log (docs/architecture.md, "Records and their owners").
+    """
 
     request_id: str
     tenant: str
     prompt_tokens: int
-    dedup_outcome: int = inference_pb2.DEDUP_OUTCOME_MISS
+    max_tokens: int = 0  # the completion budget; 0 when unknown (followed from another replica's log)
+    admitted: bool = False  # its first step was scheduled (queue_ms and cached_tokens are known)
     queue_ms: float = 0.0
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -34,7 +39,7 @@ class Generation:
     error: ApiError | None = None
     # Requests reading this computation that have not cancelled; at 0 the computation is aborted.
     interest: int = 1
-    # Readers currently attached; when it drops to 0 the resume grace period starts (DESIGN §4.9).
+    # Readers currently attached; when it drops to 0 the resume grace period starts.
     subscribers: int = 0
     detached_at: float | None = None
     # Batch items run with nobody reading: never abandoned.
@@ -84,9 +89,9 @@ class Generation:
         if any(lp is not None for lp in self.logprobs[start:end]):
             msg.logprobs.extend(lp or common_pb2.TokenLogprob() for lp in self.logprobs[start:end])
         if start == 0:
-            msg.dedup_outcome = view.dedup_outcome if view else self.dedup_outcome  # type: ignore[assignment]
+            msg.dedup_outcome = view.dedup_outcome if view else inference_pb2.DEDUP_OUTCOME_MISS  # type: ignore[assignment]
             msg.queue_ms = self.queue_ms
-        if view is not None and view.cancelled:
+        if view is not None and view.cancelled_at == end:
             msg.finish_reason = inference_pb2.FINISH_REASON_CANCELLED
             msg.usage.CopyFrom(self.usage(end))
         elif self.done and end == len(self.token_ids):
@@ -98,19 +103,19 @@ class Generation:
         self, offset: int, stream: bool = True, view: View | None = None
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """Everything from `offset` on, live. With stream=False, one message at the end. A view's own cancel
-        ends its readers (at the tokens they have) while the computation may go on for other views."""
+        ends its readers at the tokens the request had then, while the computation may go on for other views."""
         pos = offset
         while True:
             end = len(self.token_ids)
-            if view is not None and view.cancelled:
-                yield self.chunk(pos, pos if stream else end, view)
-                return
-            if self.done:
-                if self.error is not None:
-                    if stream and pos < end:
-                        yield self.chunk(pos, end, view)
+            last = view.final_length if view is not None else (end if self.done else None)
+            if last is not None:
+                if pos > last:  # it ended short of the offset asked for
+                    raise out_of_range("offset", f"{pos} is beyond the {last} tokens of this finished generation")
+                if self.error is not None and not (view is not None and view.cancelled):
+                    if stream and pos < last:
+                        yield self.chunk(pos, last, view)
                     raise self.error
-                yield self.chunk(pos, end, view)  # the last chunk (maybe without tokens) carries finish and usage
+                yield self.chunk(pos, last, view)  # the last chunk (maybe without tokens) carries finish and usage
                 return
             if stream and pos < end:
                 yield self.chunk(pos, end, view)
@@ -138,22 +143,41 @@ class Generation:
 class View:
     """One request's handle on a generation: its own request id and dedup outcome, and its own cancel.
 
-    Identical requests share one Generation through several views (DESIGN §4.3); cancelling a view ends
-    that request only, and the computation stops when no view is interested any more.
+    Identical requests share one Generation through several views; cancelling a view ends
+    that request only (at the tokens it had), and the computation stops when no view is interested any more.
     """
 
     request_id: str
     gen: Generation
     dedup_outcome: int = inference_pb2.DEDUP_OUTCOME_MISS
-    cancelled: bool = False
+    # Kept when its caller's deadline passes: it has an idempotency key or asked to be resumable
+    # (docs/api.md, "Deadlines").
+    resumable: bool = False
+    # The tokens the request had when it was cancelled (where its output ends); None while not cancelled.
+    cancelled_at: int | None = None
 
     @property
     def tenant(self) -> str:
         return self.gen.tenant
 
     @property
+    def cancelled(self) -> bool:
+        return self.cancelled_at is not None
+
+    @property
     def done(self) -> bool:
         return self.cancelled or self.gen.done
+
+    @property
+    def final_length(self) -> int | None:
+        """How many tokens this request ended with; None while it runs."""
+        if self.cancelled_at is not None:
+            return self.cancelled_at
+        return len(self.gen.token_ids) if self.gen.done else None
+
+    def cancel(self) -> None:
+        """End this request at the tokens it has (the dispatcher's; it also drops the view's interest)."""
+        self.cancelled_at = len(self.gen.token_ids)
 
     def follow(self, offset: int, stream: bool = True) -> AsyncIterator[inference_pb2.GenerateResponse]:
         return self.gen.follow(offset, stream, self)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from control_plane.dispatcher import GenerationSpec
     from control_plane.generation import Generation
+    from control_plane.request import Request
     from control_plane.sequence import SeqEvent, Sequence
     from control_plane.step_plan import StepPlan
     from control_plane.worker_link import WorkerLink
@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 class Observer:
     """Times are the dispatcher's clock (time.monotonic seconds unless a test injects another)."""
 
-    def on_request(self, gen: Generation, spec: GenerationSpec, now: float) -> None:
+    def on_request(self, gen: Generation, request: Request, now: float) -> None:
         """A generation was queued (after admission and dedup, when it will be computed)."""
 
     def on_dedup(self, kind: str, outcome: str, request_id: str) -> None:
-        """A dedup decision: kind idempotency|content; outcome hit|miss|coalesced|replayed|takeover."""
+        """A dedup decision: kind idempotency|content; outcome miss|coalesced|replayed|takeover."""
 
     def on_admitted(self, seq: Sequence, gen: Generation, now: float) -> None:
         """The sequence's first step was scheduled: its batch-buffer dwell is `seq.dwell`."""
@@ -39,40 +39,3 @@ class Observer:
 
     def on_worker_lost(self, link: WorkerLink, requeued: int) -> None:
         """A worker's stream broke; `requeued` sequences go back for recompute."""
-
-
-class Fanout(Observer):
-    """Several observers in order (the dedup bookkeeping first, then telemetry)."""
-
-    def __init__(self, *observers: Observer) -> None:
-        self.observers = [o for o in observers if type(o) is not Observer]  # skip the no-op base
-
-    def on_request(self, gen: Generation, spec: GenerationSpec, now: float) -> None:
-        for o in self.observers:
-            o.on_request(gen, spec, now)
-
-    def on_dedup(self, kind: str, outcome: str, request_id: str) -> None:
-        for o in self.observers:
-            o.on_dedup(kind, outcome, request_id)
-
-    def on_admitted(self, seq: Sequence, gen: Generation, now: float) -> None:
-        for o in self.observers:
-            o.on_admitted(seq, gen, now)
-
-    def on_tokens(self, gen: Generation, count: int, now: float) -> None:
-        for o in self.observers:
-            o.on_tokens(gen, count, now)
-
-    def on_finish(self, gen: Generation, now: float) -> None:
-        for o in self.observers:
-            o.on_finish(gen, now)
-
-    def on_step(
-        self, link: WorkerLink, plan: StepPlan, events: list[SeqEvent], resp: worker_pb2.StepResponse, loop_s: float
-    ) -> None:
-        for o in self.observers:
-            o.on_step(link, plan, events, resp, loop_s)
-
-    def on_worker_lost(self, link: WorkerLink, requeued: int) -> None:
-        for o in self.observers:
-            o.on_worker_lost(link, requeued)

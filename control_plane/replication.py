@@ -1,8 +1,10 @@
-"""The shared side of generations (DESIGN §4.7-§4.8): token logs written once per step for all requests
-in one round trip, records finished with their result, leases kept alive by heartbeat, and generations
-of other replicas mirrored from their logs.
+"""The journal: the shared side of the generations this replica computes (docs/architecture.md, "Fencing").
 
-Only computations this replica runs are written; `owned` says which, with their fencing (owner, epoch).
+Token logs are written once per step for all of them in one round trip, records are finished with their
+result, leases are renewed, and this replica's liveness is beaten into the store. Every write names (owner,
+epoch). A refused write means one of two things: the store lost the request (Redis restarted without
+persistence), and then it is claimed again at a new epoch and its whole log rewritten, so the computation
+goes on unseen by its callers; or another replica owns it now, and it is returned as fenced.
 """
 
 from __future__ import annotations
@@ -10,35 +12,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from control_plane.config import Settings
 from control_plane.errors import ApiError
 from control_plane.generation import Generation
-from dedup_service import LogAppend, LogEntry, LogSlice, Store, StoreUnavailable
-from protos.coalesce.v1 import common_pb2, inference_pb2
+from dedup_service import LogAppend, LogEntry, Outcome, Store, StoreUnavailable
+from protos.coalesce.v1 import inference_pb2
 
 log = logging.getLogger(__name__)
 
 SERVER_FAULTS = {"UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED", "ABORTED", "DEADLINE_EXCEEDED"}
+SUCCEEDED = (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH)
 
 
 @dataclass(slots=True)
 class Owned:
-    """A request whose shared side this replica keeps, under `name` (its log and index id): usually the
-    computation it runs (the generation's request id); a keyed request riding on an identical computation
-    here, or a content follower that took over a lost leader's generation, under its own id."""
+    """A generation whose shared side this replica keeps, under `name` (its log and index id): usually the
+    computation's own request id; a keyed request riding on an identical computation here, or a content
+    follower that took over a lost leader's generation, keeps it under its own id."""
 
     name: str
     gen: Generation
     epoch: int
-    key: str = ""
-    content: str = ""  # fingerprint whose content lease this computation holds (cross-replica coalescing)
-    write_log: bool = True  # replicated stores only: the memory store's single replica reads local views
-    flushed: int = 0
-    admitted: bool = False  # scheduled on a worker: the record moves INIT -> PROCESSING
-    processing: bool = False
-    closed: bool = False
+    key: str  # its idempotency record, "" when none
+    content: str  # fingerprint whose content lease it holds, "" when none
+    log: bool  # write its token log (shared stores only: with one replica the generations are the log)
+    flushed: int  # tokens the log has
+    fingerprint: str = ""  # with `payload`: what claiming it again takes, should the store lose it
+    payload: bytes = b""
+    processing: bool = False  # its record moved INIT -> PROCESSING
 
 
 def finish_info(gen: Generation) -> bytes:
@@ -50,133 +53,145 @@ def finish_info(gen: Generation) -> bytes:
     return msg.SerializeToString()
 
 
-def result_of(gen: Generation, request_id: str) -> bytes:
-    """The whole generation as one GenerateResponse: what a SUCCESS record replays."""
-    msg = gen.chunk(0, len(gen.token_ids))
-    msg.request_id = request_id
-    return msg.SerializeToString()
-
-
 class Replicator:
-    def __init__(self, store: Store, owner: str, settings_lease_s: float, keep_s: float, retention_s: float) -> None:
+    def __init__(self, store: Store, owner: str, settings: Settings) -> None:
         self.store = store
         self.owner = owner
-        self.lease_s = settings_lease_s
-        self.keep_s = keep_s
-        self.retention_s = retention_s
-        self.owned: dict[str, Owned] = {}  # by name
+        self.lease_s = settings.lease_s
+        self.keep_s = settings.resume_grace_s
+        self.retention_s = settings.idempotency_retention_s
+        self.owned: dict[tuple[str, str], Owned] = {}  # by (tenant, name)
         self._dirty = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        # Called when our lease was lost to another replica's takeover: stop computing (fenced).
-        self.on_fenced: Callable[[Generation], None] = lambda gen: None
-
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._heartbeat())]
-
-    async def stop(self) -> None:
-        with contextlib.suppress(StoreUnavailable):
-            await self.flush()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def own(
         self,
         gen: Generation,
-        epoch: int,
-        key: str,
-        write_log: bool,
+        *,
         name: str = "",
+        epoch: int = 1,
+        key: str = "",
         content: str = "",
-        flushed: int = -1,
-    ) -> Owned:
+        log: bool = True,
+        flushed: int | None = None,
+        fingerprint: str = "",
+        payload: bytes = b"",
+    ) -> None:
         """Keep `gen`'s shared side; `flushed` is how much of it the log already has (default: all of it)."""
         name = name or gen.request_id
-        done = len(gen.token_ids) if flushed < 0 else flushed
-        owned = Owned(name, gen, epoch, key, content, write_log, flushed=done if write_log else 0)
-        self.owned[name] = owned
-        return owned
-
-    def touch(self) -> None:
-        """New tokens, an admission or a finish: the writer flushes at its next turn."""
+        done = (len(gen.token_ids) if flushed is None else flushed) if log else 0
+        self.owned[(gen.tenant, name)] = Owned(name, gen, epoch, key, content, log, done, fingerprint, payload)
         self._dirty.set()
 
-    async def _writer(self) -> None:
-        while True:
-            await self._dirty.wait()
-            self._dirty.clear()
-            try:
-                await self.flush()
-            except StoreUnavailable as exc:
-                log.warning("token log flush failed, will retry: %s", exc)
-                await asyncio.sleep(0.2)
-                self._dirty.set()
+    def touch(self) -> None:
+        """Generations changed (tokens, an admission, a finish): flush at the next turn, if any is ours."""
+        if self.owned:
+            self._dirty.set()
 
-    async def flush(self) -> None:
-        """One append_many for every owned log with new tokens, then the records of what finished."""
-        pending = [o for o in self.owned.values() if o.write_log and len(o.gen.token_ids) > o.flushed]
+    async def changed(self) -> None:
+        """Wait for a touch."""
+        await self._dirty.wait()
+        self._dirty.clear()
+
+    async def flush(self) -> list[Owned]:
+        """One append_many for every owned log with new tokens, then the records of what was admitted or
+        finished. Returns what was fenced out (another replica owns it now)."""
+        fenced: list[Owned] = []
+        pending = [o for o in self.owned.values() if o.log and len(o.gen.token_ids) > o.flushed]
         if pending:
-            appends = [LogAppend(o.name, self.owner, o.epoch, o.flushed, _entries(o)) for o in pending]
             ends = [len(o.gen.token_ids) for o in pending]
+            appends = [
+                LogAppend(o.gen.tenant, o.name, self.owner, o.epoch, o.flushed, _entries(o, end))
+                for o, end in zip(pending, ends, strict=True)
+            ]
             for o, ok, end in zip(pending, await self.store.append_many(appends), ends, strict=True):
                 if ok:
                     o.flushed = end
-                else:  # another replica took over (or the log expired): we are fenced out
-                    self._fence(o)
+                elif await self._reclaim(o):
+                    self._dirty.set()  # its log starts again from token 0 at the next turn
+                else:
+                    fenced.append(self._fence(o))
         for o in list(self.owned.values()):
-            if o.key and o.admitted and not o.processing:
+            if o.key and o.gen.admitted and not o.processing:
                 o.processing = True
                 await self.store.mark_processing(o.gen.tenant, o.key, self.owner, o.epoch)
-            if o.gen.done and (not o.write_log or o.flushed == len(o.gen.token_ids)) and not o.closed:
+            closing = o.gen.done and (not o.log or o.flushed == len(o.gen.token_ids))
+            if closing and self.owned.get((o.gen.tenant, o.name)) is o:
                 await self._close(o)
+        return fenced
+
+    async def renew(self) -> list[Owned]:
+        """Say this replica is alive and extend the leases of every running generation; returns what was
+        fenced out."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.heartbeat(self.owner, self.lease_s)
+        fenced = []
+        for o in [o for o in self.owned.values() if not o.gen.done]:
+            try:
+                tenant = o.gen.tenant
+                if o.key and not await self.store.renew(tenant, o.key, self.owner, o.epoch, self.lease_s):
+                    if await self._reclaim(o):
+                        self._dirty.set()
+                    else:
+                        fenced.append(self._fence(o))
+                elif o.content and not await self.store.renew_content(tenant, o.content, o.name, self.lease_s):
+                    claim = await self.store.claim_content(tenant, o.content, o.name, self.owner, self.lease_s)
+                    o.content = o.content if claim.leader else ""  # another identical request leads now
+            except StoreUnavailable:
+                continue  # the lease may still hold; try again at the next beat
+        return fenced
+
+    async def _reclaim(self, o: Owned) -> bool:
+        """The store refused a write of ours. When it lost the request altogether (a Redis restart without
+        persistence), claim it again at a new epoch and rewrite its log from token 0: True. False when
+        another replica holds it now (a takeover, or a caller's retry that claimed the lost key)."""
+        tenant, store = o.gen.tenant, self.store
+        if o.key:
+            if not o.fingerprint or await store.get(tenant, o.key) is not None:
+                return False
+            res = await store.claim(tenant, o.key, self.owner, o.fingerprint, o.name, self.lease_s, payload=o.payload)
+            if res.outcome is not Outcome.CLAIMED or res.record is None:
+                return False
+            o.epoch, o.processing = res.record.epoch, False
+        else:
+            if await store.lookup_request(tenant, o.name) is not None:
+                return False
+            if not await store.start_request(tenant, o.name, self.owner, payload=o.payload):
+                return False
+            o.epoch = 1
+        log.warning("request %s: the store had lost it; claimed again at epoch %d", o.name, o.epoch)
+        o.flushed = 0
+        return True
 
     async def _close(self, o: Owned) -> None:
         gen = o.gen
-        if o.write_log:
+        if o.log:
             failed = gen.finish_reason == inference_pb2.FINISH_REASON_ERROR
-            await self.store.finish(o.name, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
+            await self.store.finish(gen.tenant, o.name, self.owner, o.epoch, finish_info(gen), self.keep_s, failed)
         if o.content:
             await self.store.release_content(gen.tenant, o.content, o.name)
         if o.key:
-            if gen.finish_reason in (inference_pb2.FINISH_REASON_STOP, inference_pb2.FINISH_REASON_LENGTH):
+            if gen.finish_reason in SUCCEEDED:
+                result = gen.chunk(0, len(gen.token_ids))
+                result.request_id = o.name
                 await self.store.succeed(
-                    gen.tenant, o.key, self.owner, o.epoch, result_of(gen, o.name), self.retention_s
+                    gen.tenant, o.key, self.owner, o.epoch, result.SerializeToString(), self.retention_s
                 )
             else:
                 await self.store.fail(
-                    gen.tenant,
-                    o.key,
-                    self.owner,
-                    o.epoch,
-                    _error_text(gen),
-                    self.retention_s,
-                    retryable=_retryable(gen.error),
+                    gen.tenant, o.key, self.owner, o.epoch, _error_text(gen), self.retention_s, _retryable(gen.error)
                 )
-        o.closed = True
-        del self.owned[o.name]
+        del self.owned[(o.gen.tenant, o.name)]
 
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
-            for o in [o for o in self.owned.values() if not o.gen.done]:
-                with contextlib.suppress(StoreUnavailable):
-                    if o.key and not await self.store.renew(o.gen.tenant, o.key, self.owner, o.epoch, self.lease_s):
-                        self._fence(o)
-                    elif o.content:
-                        await self.store.renew_content(o.gen.tenant, o.content, o.name, self.lease_s)
-
-    def _fence(self, o: Owned) -> None:
-        log.warning("request %s: fenced out (epoch %d is stale); stopping it here", o.gen.request_id, o.epoch)
-        self.owned.pop(o.name, None)
-        o.closed = True
-        self.on_fenced(o.gen)
+    def _fence(self, o: Owned) -> Owned:
+        self.owned.pop((o.gen.tenant, o.name), None)
+        return o
 
 
-def _entries(o: Owned) -> list[LogEntry]:
+def _entries(o: Owned, end: int) -> list[LogEntry]:
     gen = o.gen
     return [
         LogEntry(gen.token_ids[i], gen.texts[i], lp.SerializeToString() if (lp := gen.logprobs[i]) else b"")
-        for i in range(o.flushed, len(gen.token_ids))
+        for i in range(o.flushed, end)
     ]
 
 
@@ -187,16 +202,5 @@ def _error_text(gen: Generation) -> str:
 
 
 def _retryable(error: ApiError | None) -> bool:
-    """A failure that is the server's fault releases the key, so a retry runs again (DESIGN §4.2)."""
+    """A failure that is the server's fault releases the key, so a retry runs again."""
     return error is None or error.code.name in SERVER_FAULTS
-
-
-def apply_slice(gen: Generation, piece: LogSlice) -> None:
-    """Append a log slice to a mirrored generation (and finish it when the log is closed)."""
-    for entry in piece.entries:
-        lp = common_pb2.TokenLogprob.FromString(entry.logprob) if entry.logprob else None
-        gen.append(entry.token_id, entry.text, lp)
-
-
-def parse_finish(info: bytes) -> inference_pb2.GenerateResponse:
-    return inference_pb2.GenerateResponse.FromString(info)

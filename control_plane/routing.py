@@ -1,4 +1,6 @@
-"""Worker choice for a new request (DESIGN §4.5): merge_weight × prefix_match_fraction − normalized_load."""
+"""Worker choice for a new request: merge_weight × prefix_match_fraction − normalized_load.
+
+See docs/architecture.md, "A request's life"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduling policy for one worker (DESIGN §4.4-§4.5): pools, batch buffer, admission, preemption.
+"""Scheduling policy for one worker: pools, batch buffer, admission, preemption (docs/architecture.md).
 
 Pure and synchronous: the caller owns I/O and time (the clock is injected). The loop is
 
@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from control_plane.batch_buffer import QueueFull, deadline, released, retry_after
+from control_plane.batch_buffer import QueueFull, deadline, fair_order, released, retry_after
 from control_plane.block_manager import BlockManager
 from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
@@ -116,7 +116,7 @@ class Scheduler:
         return self.finish(seq_id, "abort")
 
     def finish(self, seq_id: int, reason: str) -> bool:
-        """End a sequence from outside (stop string, cancel). False when it is unknown or already over."""
+        """End a sequence from outside (a cancel). False when it is unknown or already over."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             return False
@@ -150,6 +150,11 @@ class Scheduler:
     @property
     def inflight(self) -> int:
         return len(self._inflight)
+
+    @property
+    def oldest(self) -> StepPlan:
+        """The plan the worker answers next (raises IndexError when none is in flight)."""
+        return self._inflight[0]
 
     def stats(self) -> Stats:
         running = {p: len(self.running[p]) for p in POOLS}
@@ -285,17 +290,19 @@ class Scheduler:
         step.lengths.append(n)
 
     def _admit(self, plan: StepPlan, step: StepState, now: float) -> None:
-        """Admit waiting sequences, interactive first, FIFO per pool, within budget, max_batch and quota."""
+        """Admit waiting sequences, interactive first, fairly between tenants and FIFO within one, within the
+        step's budget, the pool's max_batch and its KV quota."""
         for p in POOLS:
             if not self._released(p, now):
                 continue
-            queue, i = self.waiting[p], 0
-            while i < len(queue) and len(self.running[p]) < self.pools[p].max_batch:
+            queue = self.waiting[p]
+            for seq in fair_order(queue, self.running[p]):
+                if len(self.running[p]) >= self.pools[p].max_batch:
+                    break
                 if step.budget <= 0:
                     return
-                seq = queue[i]
                 if seq.seq_id in step.preempted:
-                    break  # it just lost its room; FIFO keeps the rest behind it
+                    break  # it just lost its room; the rest stays behind it
                 tokens = seq.tokens()
                 hit = self.bm.match(tokens, seq.tenant)
                 n = chunk(len(tokens) - hit.tokens, step, self.settings.prefill_ratio)
@@ -303,13 +310,12 @@ class Scheduler:
                     if seq.skipped:
                         return  # skipped twice: admit nothing more so it leads the next step's prefills
                     seq.skipped = True
-                    i += 1
                     continue
                 total = -(-len(tokens) // self.block_size)
                 cost = self.bm.cost(hit, total, p)
                 if not self._fits(p, *cost) and not (self._to_int8(plan) and self._fits(p, *cost)):
                     break  # no room for the head: nothing behind it jumps ahead
-                del queue[i]
+                queue.remove(seq)
                 self._start(seq, hit.tokens, now, plan)
                 plan.copies += self.bm.allocate(seq, hit, total)
                 seq.num_computed = seq.num_scheduled = hit.tokens
@@ -351,10 +357,13 @@ class Scheduler:
             if token is None:
                 raise ValueError(f"the worker sampled no token for seq {seq.seq_id}")
             seq.output_ids.append(token)
+            text = seq.text.push(token) if seq.text is not None else ""
             reason = seq.stop_reason(token, self.max_context)
             if reason is not None:
+                if seq.text is not None:
+                    text += seq.text.flush()
                 self._end(seq, reason)
-            events.append(SeqEvent(seq, token, reason))
+            events.append(SeqEvent(seq, token, reason, text))
         return events
 
     def _publish(self, seq: Sequence) -> None:

@@ -1,4 +1,4 @@
-"""One generation as the scheduler sees it (DESIGN §4.4-§4.6).
+"""One computation as the scheduler sees it (docs/architecture.md, "Records and their owners").
 
 A sequence is WAITING (in its pool's queue), RUNNING (holds KV blocks on its worker) or FINISHED. Its
 tokens are `prompt_ids + output_ids`; on recompute after a preemption all of them are prefilled again and
@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from control_plane.detokenize import IncrementalText
 from protos.coalesce.v1 import worker_pb2
+
+if TYPE_CHECKING:
+    from control_plane.generation import Generation
 
 POOLS = ("interactive", "batch")  # priority order: interactive is admitted first, preempted last
 
@@ -66,6 +71,10 @@ class Sequence:
     # Skipped by the prefill ratio rule while at the head of its queue; a second skip stops admissions.
     skipped: bool = False
     preemptions: int = 0
+    # Text of the outputs so far, with the request's stop strings: `complete` ends the sequence on a match.
+    text: IncrementalText | None = None
+    # Where its tokens go (the dispatcher's; the scheduler never reads it).
+    gen: Generation | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -85,18 +94,28 @@ class Sequence:
         return len(self.output_ids) + self.pending < self.max_tokens and self.num_tokens + self.pending < max_context
 
     def stop_reason(self, token: int, max_context: int) -> str | None:
-        """Why the sequence ends after `token` was appended, or None to go on."""
+        """Why the sequence ends after `token` was appended (and pushed to `text`), or None to go on."""
         if token in self.stop_token_ids or (not self.ignore_eos and token in self.eos_ids):
             return "stop"
         if len(self.output_ids) >= self.max_tokens or self.num_tokens >= max_context:
             return "length"
+        if self.text is not None and self.text.stopped:
+            return "stop"
         return None
+
+    def moved(self, seq_id: int) -> Sequence:
+        """The same computation under a new id, to run on another worker from its outputs so far."""
+        return Sequence(seq_id, self.request_id, self.tenant, self.pool, self.prompt_ids, self.max_tokens,
+                        self.sampling, self.eos_ids, self.stop_token_ids, self.ignore_eos, self.traceparent,
+                        output_ids=list(self.output_ids), text=self.text, gen=self.gen)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
 class SeqEvent:
-    """One sampled token of one sequence after a step; `finish_reason` is set when it ended the sequence."""
+    """One sampled token of one sequence after a step: the text it released, and the finish reason when it
+    ended the sequence (then `text` also holds what the detokenizer held back)."""
 
     seq: Sequence
     token: int
     finish_reason: str | None
+    text: str = ""

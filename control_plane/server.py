@@ -1,34 +1,26 @@
-"""The public gRPC edge: InferenceService. Each RPC is one short method; decisions live in admission,
-dedup, the dispatcher and the scheduler."""
+"""The public gRPC edge: InferenceService. Each RPC is one short method: admission builds the request record,
+dedup decides and acts, the view streams the tokens (docs/architecture.md, "A request's life"; docs/api.md)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from control_plane.admission import streams, tenant_of
-from control_plane.batch_jobs import BatchJobs
+from control_plane.admission import Admission, Metadata, idempotency_key, streams
+from control_plane.batch_jobs import MAX_ITEMS, BatchJobs
 from control_plane.config import Settings
-from control_plane.dedup import Deduper
+from control_plane.dedup import Dedup
 from control_plane.dispatcher import Dispatcher
-from control_plane.errors import ApiError, invalid
+from control_plane.errors import ApiError, invalid, unauthenticated
 from control_plane.generation import View
+from control_plane.session import Session
 from control_plane.telemetry.tracing import current_traceparent
-from control_plane.validation import check_idempotency_key
+from control_plane.validation import MAX_KEY_BYTES, MAX_LOGPROBS, MAX_REQUEST_ID_CHARS, MAX_STOP_BYTES
+from dedup_service import Store
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
-
-log = logging.getLogger(__name__)
-
-Metadata = tuple[tuple[str, str | bytes], ...]
-
-
-def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata | None) -> str:
-    key = request.idempotency_key or next((str(v) for k, v in metadata or () if k == "x-idempotency-key"), "")
-    check_idempotency_key(key)
-    return key
+from security.tokens import Authenticator, Unauthenticated
 
 
 def traceparent_of(metadata: Metadata | None) -> str:
@@ -36,34 +28,81 @@ def traceparent_of(metadata: Metadata | None) -> str:
     return current_traceparent() or next((str(v) for k, v in metadata or () if k == "traceparent"), "")
 
 
+# The server's deadline is the client's plus the time the request took to arrive, so the client's own cancel
+# at its deadline lands a little before ours: a call that ends this close to its deadline has expired.
+DEADLINE_SLACK_S = 0.5
+
+
+def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
 class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, dispatcher: Dispatcher, deduper: Deduper, settings: Settings) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        dedup: Dedup,
+        dispatcher: Dispatcher,
+        store: Store,
+        auth: Authenticator,
+        settings: Settings,
+    ) -> None:
+        self.admission = admission
+        self.auth = auth
+        self.dedup = dedup
         self.dispatcher = dispatcher
-        self.deduper = deduper
         self.settings = settings
-        self.batches = BatchJobs(deduper)
+        self.batches = BatchJobs(admission, dedup, store)
 
-    async def start(self, request: inference_pb2.GenerateRequest, metadata: Metadata | None, prefix: str = "") -> View:
-        return await self.deduper.generate(
-            request, tenant_of(metadata), idempotency_key(request, metadata), traceparent_of(metadata), prefix
-        )
+    def tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant, from its bearer token (UNAUTHENTICATED without a valid one)."""
+        try:
+            return self.auth.tenant(context.invocation_metadata())
+        except Unauthenticated as exc:
+            raise unauthenticated(str(exc)) from None
 
-    async def follow(self, view: View, offset: int, stream: bool) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def start(
+        self, request: inference_pb2.GenerateRequest, tenant: str, metadata: Metadata | None, prefix: str = ""
+    ) -> View:
+        """Admit a GenerateRequest and open the caller's view of it."""
+        key = idempotency_key(request, metadata, prefix)
+        admitted = self.admission.admit(request, tenant, key, traceparent_of(metadata), prefix)
+        return await self.dedup.open(admitted)
+
+    async def follow(
+        self, view: View, offset: int, stream: bool, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The view's chunks from `offset`, counted as a reader (the resume grace period starts without one).
+        A caller whose deadline passed will not come back: its request is cancelled unless it is resumable."""
         self.dispatcher.attach(view.gen)
         try:
             async for chunk in view.follow(offset, stream):
                 yield chunk
         finally:
             self.dispatcher.detach(view.gen)
+            if deadline_passed(context) and not view.resumable:
+                self.dispatcher.cancel_view(view)
+
+    async def resume(self, request_id: str, offset: int, tenant: str, prefix: str = "") -> View:
+        return await self.dedup.resume(request_id, offset, tenant, prefix)
+
+    def cancel_view(self, view: View) -> bool:
+        return self.dispatcher.cancel_view(view)
+
+    def cancel(self, request_id: str, tenant: str) -> bool:
+        if not request_id:
+            raise invalid("request_id", "must not be empty")
+        return self.dispatcher.cancel(request_id, tenant)
 
     # -- RPCs --------------------------------------------------------------------------------------------
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
-            view = await self.start(request, context.invocation_metadata())
+            view = await self.start(request, self.tenant(context), context.invocation_metadata())
             await context.send_initial_metadata((("x-request-id", view.request_id),))
-            async for chunk in self.follow(view, 0, streams(request, self.settings)):
+            async for chunk in self.follow(view, 0, streams(request, self.settings), context):
                 yield chunk
         except ApiError as err:
             await err.abort(context)
@@ -72,9 +111,8 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.ResumeResponse]:
         try:
-            tenant = tenant_of(context.invocation_metadata())
-            view = await self.deduper.resume(request.request_id, request.offset, tenant)
-            async for chunk in self.follow(view, request.offset, True):
+            view = await self.resume(request.request_id, request.offset, self.tenant(context))
+            async for chunk in self.follow(view, request.offset, True, context):
                 yield inference_pb2.ResumeResponse(chunk=chunk)
         except ApiError as err:
             await err.abort(context)
@@ -83,9 +121,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CancelResponse:
         try:
-            if not request.request_id:
-                raise invalid("request_id", "must not be empty")
-            cancelled = self.dispatcher.cancel(request.request_id, tenant_of(context.invocation_metadata()))
+            cancelled = self.cancel(request.request_id, self.tenant(context))
             return inference_pb2.CancelResponse(cancelled=cancelled)
         except ApiError as err:
             await err.abort(context)
@@ -94,7 +130,23 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     async def GetModelInfo(
         self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetModelInfoResponse:
-        info = self.dispatcher.info
+        try:
+            self.tenant(context)
+        except ApiError as err:
+            await err.abort(context)
+        info, s = self.dispatcher.info, self.settings
+        limits = inference_pb2.RequestLimits(
+            max_request_bytes=s.max_request_bytes,
+            max_prompt_bytes=self.admission.limits.max_prompt_bytes,
+            max_stop_strings=s.max_stop_strings,
+            max_stop_bytes=MAX_STOP_BYTES,
+            max_logprobs=MAX_LOGPROBS,
+            default_max_tokens=s.default_max_tokens,
+            max_request_id_chars=MAX_REQUEST_ID_CHARS,
+            max_idempotency_key_bytes=MAX_KEY_BYTES,
+            max_batch_items=MAX_ITEMS,
+            resume_grace_s=s.resume_grace_s,
+        )
         return inference_pb2.GetModelInfoResponse(
             model=info.model_name,
             architecture=info.architecture,
@@ -103,13 +155,16 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             eos_token_ids=info.eos_token_ids,
             kv_cache_dtype=info.kv_cache_dtype,
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
+            dtype=info.dtype,
+            has_chat_template=bool(info.chat_template),
+            limits=limits,
         )
 
     async def SubmitBatch(
         self, request: inference_pb2.SubmitBatchRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.SubmitBatchResponse:
         try:
-            return await self.batches.submit(request, tenant_of(context.invocation_metadata()))
+            return await self.batches.submit(request, self.tenant(context))
         except ApiError as err:
             await err.abort(context)
             raise
@@ -118,7 +173,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.GetBatchRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GetBatchResponse:
         try:
-            items = await self.batches.items(request.batch_id, tenant_of(context.invocation_metadata()))
+            items = await self.batches.items(request.batch_id, self.tenant(context))
             return inference_pb2.GetBatchResponse(batch_id=request.batch_id, items=items)
         except ApiError as err:
             await err.abort(context)
@@ -128,7 +183,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.WatchBatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.WatchBatchResponse]:
         try:
-            async for item in self.batches.watch(request.batch_id, tenant_of(context.invocation_metadata())):
+            async for item in self.batches.watch(request.batch_id, self.tenant(context)):
                 yield inference_pb2.WatchBatchResponse(item=item)
         except ApiError as err:
             await err.abort(context)
@@ -136,79 +191,15 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
     async def Session(
         self, request_iterator: AsyncIterator[inference_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.SessionResponse]:
-        session = _Session(self, context.invocation_metadata())
+        try:
+            session = Session(self, self.tenant(context), context)
+        except ApiError as err:
+            await err.abort(context)
+            return
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            while True:
-                message = await session.outbox.get()
-                if message is None:
-                    return
+            while (message := await session.outbox.get()) is not None:
                 yield message
         finally:
             reader.cancel()
             await session.close()
-
-
-class _Session:
-    """Generations multiplexed on one bidi stream, keyed by the caller's stream_id."""
-
-    def __init__(self, service: InferenceService, metadata: Metadata | None) -> None:
-        self.service = service
-        self.metadata = metadata
-        self.tenant = tenant_of(metadata)
-        self.outbox: asyncio.Queue[inference_pb2.SessionResponse | None] = asyncio.Queue()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.request_ids: dict[str, str] = {}
-
-    async def read(self, requests: AsyncIterator[inference_pb2.SessionRequest]) -> None:
-        try:
-            async for req in requests:
-                await self._handle(req)
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        finally:
-            self.outbox.put_nowait(None)
-
-    async def _handle(self, req: inference_pb2.SessionRequest) -> None:
-        sid = req.stream_id
-        action = req.WhichOneof("action")
-        try:
-            if action == "generate":
-                if sid in self.tasks and not self.tasks[sid].done():
-                    raise invalid("stream_id", f"{sid!r} is already in use on this session")
-                request = req.generate.request
-                view = await self.service.start(request, self.metadata, prefix="generate.request.")
-                self._spawn(sid, view, 0, streams(request, self.service.settings))
-            elif action == "resume":
-                view = await self.service.deduper.resume(req.resume.request_id, req.resume.offset, self.tenant)
-                self._spawn(sid, view, req.resume.offset, True)
-            elif action == "cancel":
-                request_id = self.request_ids.get(sid)
-                if request_id is None:
-                    raise invalid("stream_id", f"{sid!r} names no generation on this session")
-                self.service.dispatcher.cancel(request_id, self.tenant)
-            elif action == "ack":
-                pass  # the log is kept for the resume window whatever the caller acknowledged
-            else:
-                raise invalid("action", "set one of generate, cancel, resume, ack")
-        except ApiError as err:
-            self._error(sid, err)
-
-    def _spawn(self, sid: str, view: View, offset: int, stream: bool) -> None:
-        self.request_ids[sid] = view.request_id
-        self.tasks[sid] = asyncio.create_task(self._pump(sid, view, offset, stream))
-
-    async def _pump(self, sid: str, view: View, offset: int, stream: bool) -> None:
-        try:
-            async for chunk in self.service.follow(view, offset, stream):
-                self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, chunk=chunk))
-        except ApiError as err:
-            self._error(sid, err)
-
-    def _error(self, sid: str, err: ApiError) -> None:
-        error = inference_pb2.SessionError(code=err.code.value[0], message=err.message, reason=err.reason)
-        self.outbox.put_nowait(inference_pb2.SessionResponse(stream_id=sid, error=error))
-
-    async def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)

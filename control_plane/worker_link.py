@@ -5,7 +5,8 @@ is already queued on the stream, so the worker starts it the moment N is done, a
 control plane's work for N (complete, schedule N+2, text, fan-out) overlap N+1's forward pass. Results are
 read and completed in order. A lost worker (the stream breaks, the process died) hands every sequence back
 to the dispatcher for recompute (the steps in flight are discarded) and the link reconnects with backoff;
-a restarted worker starts a fresh session (DESIGN §3).
+a restarted worker starts a fresh session. What is in flight is the scheduler's (`Scheduler.oldest`); the link
+only carries plans and results.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,15 +25,15 @@ from control_plane.scheduler import MAX_INFLIGHT, Scheduler
 from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
+from rpc.limits import INTERNAL_CHANNEL_OPTIONS
+from security.internal import call_metadata
+from security.tls import internal_channel_credentials
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
-BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# Capped at 0.25 s: a worker still loading its model is polled often enough that serving starts within a
+# quarter second of it being ready (a start is ~3 s in all).
+BACKOFF_S = (0.05, 0.1, 0.2, 0.25)
 
 
 class WorkerLost(Exception):
@@ -48,15 +48,20 @@ class WorkerLink:
     # loop_s is the wall time between this step's completion and the previous one's (or its send, when the
     # worker was idle before it): the time per step as the control plane sees it.
     on_step: Callable[[WorkerLink, StepPlan, list[SeqEvent], worker_pb2.StepResponse, float], None]
-    # Called when the worker was lost (its sequences are requeued for recompute in this link's scheduler),
-    # with the number requeued, and True when the scheduler was replaced so everything must be resubmitted.
-    on_lost: Callable[[WorkerLink, int, bool], None]
+    # Called when the worker was lost ("lost": its sequences were requeued for recompute in this link's
+    # scheduler, `requeued` of them running), is still down with work waiting here ("down"), or came back
+    # with another cache ("replaced": the scheduler was replaced, so everything must be resubmitted).
+    on_lost: Callable[[WorkerLink, int, str], None]
     clock: Callable[[], float] = time.monotonic
     info: worker_pb2.InfoResponse | None = None
     scheduler: Scheduler | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self.settings.internal_token)
 
     # -- called by the dispatcher ------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -70,11 +75,6 @@ class WorkerLink:
             self.scheduler.abort(seq_id)
             self._wake.set()
 
-    def finish(self, seq_id: int, reason: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.finish(seq_id, reason)
-            self._wake.set()
-
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -82,7 +82,7 @@ class WorkerLink:
     # -- the loop ---------------------------------------------------------------------------------------
     async def run(self) -> None:
         attempt = 0
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+        async with self._channel() as channel:
             stub = worker_pb2_grpc.WorkerServiceStub(channel)
             while not self._stopping:
                 try:
@@ -94,8 +94,16 @@ class WorkerLink:
                     await asyncio.sleep(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
                     attempt += 1
 
+    def _channel(self) -> grpc.aio.Channel:
+        """To the worker: mTLS when internal_tls is set (docs/security.md), else plaintext."""
+        tls = self.settings.internal_tls
+        if not tls.enabled:
+            return grpc.aio.insecure_channel(self.address, options=INTERNAL_CHANNEL_OPTIONS)
+        creds, options = internal_channel_credentials(tls)
+        return grpc.aio.secure_channel(self.address, creds, options=INTERNAL_CHANNEL_OPTIONS + options)
+
     async def _connect(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
-        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10)
+        info = await stub.Info(worker_pb2.InfoRequest(), timeout=10, metadata=self._metadata)
         geometry = (info.num_blocks, info.block_size, info.max_context, info.kv_block_units)
         replaced = self.info is not None and geometry != (
             self.info.num_blocks,
@@ -112,50 +120,46 @@ class WorkerLink:
         self.connected.set()
         log.info("worker %s connected: %s, %d KV blocks", self.address, info.model_name, info.num_blocks)
         if replaced:
-            self.on_lost(self, 0, True)
+            self.on_lost(self, 0, "replaced")
 
     async def _session(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         assert self.scheduler is not None
         scheduler = self.scheduler
-        call = stub.Step()
-        inflight: deque[StepPlan] = deque()  # written, response not read yet; oldest first
+        call = stub.Step(metadata=self._metadata)
         step_id, last = 0, 0.0
 
-        async def send(plan: StepPlan) -> None:
+        async def send() -> bool:
+            """Plan the next step and send it; False when there is nothing to send."""
             nonlocal step_id
+            plan = scheduler.schedule()
+            if plan is None:
+                return False
             step_id += 1
-            inflight.append(plan)
             await call.write(plan.to_request(step_id))
-
-        async def top_up() -> None:
-            """Plan and send the next step while one is in flight (the lookahead)."""
-            if len(inflight) < MAX_INFLIGHT:
-                plan = scheduler.schedule()
-                if plan is not None:
-                    await send(plan)
+            return True
 
         try:
             while not self._stopping:
-                if not inflight:
-                    plan = scheduler.schedule()
-                    if plan is None:
+                if not scheduler.inflight:
+                    if not await send():
                         await self._idle(scheduler)
                         continue
                     last = time.perf_counter()  # the worker was idle: this step's time starts now
-                    await send(plan)
-                await top_up()  # work that arrived (or was freed) since the last completion
+                if scheduler.inflight < MAX_INFLIGHT:
+                    await send()  # the lookahead: work that arrived (or was freed) since the last completion
                 resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise WorkerLost(f"worker {self.address} ended the step stream")
-                done = inflight.popleft()
+                done = scheduler.oldest
                 events = scheduler.complete(done, {t.seq_id: t.token.token_id for t in resp.tokens})
                 now = time.perf_counter()
                 loop_s, last = now - last, now
                 try:
                     # Keep the worker fed before handling this step's tokens, so text, fan-out and telemetry
-                    # overlap its forward passes (a stop string found here wastes the worker's next two tokens
-                    # of that sequence: the scheduler drops them and releases it after them).
-                    await top_up()
+                    # overlap its forward passes (a stop string found in this step wastes the sequence's
+                    # token in the step already queued: the scheduler drops it and releases it after).
+                    if scheduler.inflight < MAX_INFLIGHT:
+                        await send()
                 finally:  # even when the worker is gone: these tokens were computed and must reach readers
                     self.on_step(self, done, events, resp, loop_s)
         finally:
@@ -178,9 +182,7 @@ class WorkerLink:
         if was_connected:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
-        self.on_lost(self, len(requeued), False)
-
-
-def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int]:
-    """What the scheduler is built for; a worker that returns with another needs a new scheduler."""
-    return info.num_blocks, info.block_size, info.max_context
+        if was_connected:
+            self.on_lost(self, len(requeued), "lost")
+        elif self.scheduler.has_work():  # still down: what waits here may move to a worker that is up
+            self.on_lost(self, 0, "down")

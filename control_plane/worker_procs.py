@@ -4,15 +4,21 @@ holds gRPC state), restarted on the same port when one dies, stopped on shutdown
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
+BAD_INPUT = 2  # `coalesce worker`'s exit status when its model cannot be loaded (it printed why)
+
+
+class WorkerStartError(Exception):
+    """A worker exited because its settings are wrong: restarting it would only fail again."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,10 +45,14 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         settings.kv_cache_dtype,
         "--block-size",
         str(settings.block_size),
+        "--cache-dir",
+        settings.cache_dir,
         "--host",
         settings.host,
         "--port",
         str(port),
+        "--parent-pid",
+        str(os.getpid()),
     ]
 
 
@@ -52,6 +62,7 @@ class WorkerProcess:
 
     settings: WorkerSettings
     port: int
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,16 +70,19 @@ class WorkerProcess:
         return f"{self.settings.host}:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(worker_command(self.settings, self.port), stdout=subprocess.DEVNULL)
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(worker_command(self.settings, self.port), stdout=subprocess.DEVNULL, env=env)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def ensure_running(self) -> bool:
-        """Restart a worker that died; True when it had to."""
+        """Restart a worker that died; True when it had to. Raises WorkerStartError when it exited for bad input."""
         if self.alive():
             return False
         code = self.proc.returncode if self.proc else None
+        if code == BAD_INPUT:
+            raise WorkerStartError(f"the worker on {self.address} could not load model {self.settings.model!r}")
         log.warning("worker %s exited (%s); restarting it", self.address, code)
         self.start()
         return True
@@ -84,8 +98,8 @@ class WorkerProcess:
             self.proc.wait()
 
 
-def spawn_workers(settings: WorkerSettings, count: int) -> list[WorkerProcess]:
-    workers = [WorkerProcess(settings, free_port(settings.host)) for _ in range(count)]
+def spawn_workers(settings: WorkerSettings, count: int, env: dict[str, str] | None = None) -> list[WorkerProcess]:
+    workers = [WorkerProcess(settings, free_port(settings.host), dict(env or {})) for _ in range(count)]
     for w in workers:
         w.start()
     return workers

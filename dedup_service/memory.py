@@ -11,6 +11,7 @@ import time
 
 from dedup_service.memory_log import MemoryLogs, drop_where
 from dedup_service.model import (
+    MAX_PAYLOAD_BYTES,
     RUNNING,
     BatchItem,
     ClaimResult,
@@ -19,18 +20,22 @@ from dedup_service.model import (
     Record,
     State,
     batch_key,
+    check_payload,
     seq_sort_key,
 )
-from dedup_service.store import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock
+from dedup_service.timing import BATCH_GC_S, GC_SLACK_S, RUNNING_GC_S, Clock
 
 
 class MemoryStore(MemoryLogs):
-    def __init__(self, clock: Clock = time.time) -> None:
-        super().__init__(clock)
+    shared = False  # one process: its in-memory generations are the token log
+
+    def __init__(self, clock: Clock = time.time, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+        super().__init__(clock, max_payload_bytes)
         self._records: dict[tuple[str, str], Record] = {}
         self._tombstones: dict[tuple[str, str], tuple[int, float]] = {}  # released key -> (last epoch, gc_at)
         self._content: dict[tuple[str, str], tuple[str, float]] = {}  # -> (leader request id, lease_until)
         self._batches: dict[tuple[str, str], tuple[set[str], float]] = {}  # -> (seq ids, gc_at)
+        self._alive: dict[str, float] = {}  # control-plane replica (owner) -> alive until
 
     # --- idempotency records ---
 
@@ -70,6 +75,7 @@ class MemoryStore(MemoryLogs):
     def _claim(
         self, tenant: str, key: str, owner: str, fp: str, request_id: str, lease_s: float, payload: bytes
     ) -> ClaimResult:
+        check_payload(payload, self.max_payload_bytes)
         self._wrote()
         now = self.clock()
         rec = self._live(tenant, key, now)
@@ -88,8 +94,8 @@ class MemoryStore(MemoryLogs):
             self._index(rec, now, reset_log=False)
             return ClaimResult(Outcome.TAKEOVER, _copy(rec))
 
-        req = self._req(request_id, now)
-        if req is not None and (req.tenant != tenant or req.key != key):
+        req = self._req((tenant, request_id), now)
+        if req is not None and req.key != key:
             return ClaimResult(Outcome.REQUEST_ID_IN_USE, None)
         # Epochs keep growing across releases, so a stale writer of an earlier run never matches.
         old = self._records.pop((tenant, key), None)
@@ -107,7 +113,7 @@ class MemoryStore(MemoryLogs):
             return False
         now = self.clock()
         rec.lease_until = now + lease_s
-        self._touch_req(rec.request_id, None, now + RUNNING_GC_S)
+        self._touch_req(_rid(rec), None, now + RUNNING_GC_S)
         return True
 
     async def mark_processing(self, tenant: str, key: str, owner: str, epoch: int) -> bool:
@@ -115,7 +121,7 @@ class MemoryStore(MemoryLogs):
         if rec is None:
             return False
         rec.state = State.PROCESSING
-        self._touch_req(rec.request_id, State.PROCESSING, self.clock() + RUNNING_GC_S)
+        self._touch_req(_rid(rec), State.PROCESSING, self.clock() + RUNNING_GC_S)
         return True
 
     async def succeed(self, tenant: str, key: str, owner: str, epoch: int, result: bytes, retention_s: float) -> bool:
@@ -124,7 +130,7 @@ class MemoryStore(MemoryLogs):
             return False
         now = self.clock()
         rec.state, rec.result, rec.expires_at = State.SUCCESS, result, now + retention_s
-        self._touch_req(rec.request_id, State.SUCCESS, rec.expires_at + GC_SLACK_S)
+        self._touch_req(_rid(rec), State.SUCCESS, rec.expires_at + GC_SLACK_S)
         return True
 
     async def fail(
@@ -137,10 +143,10 @@ class MemoryStore(MemoryLogs):
         now = self.clock()
         if retryable:
             self._release(rec, now)
-            self._touch_req(rec.request_id, State.FAILED, now + RUNNING_GC_S)
+            self._touch_req(_rid(rec), State.FAILED, now + RUNNING_GC_S)
         else:
             rec.state, rec.error, rec.expires_at = State.FAILED, error, now + retention_s
-            self._touch_req(rec.request_id, State.FAILED, rec.expires_at + GC_SLACK_S)
+            self._touch_req(_rid(rec), State.FAILED, rec.expires_at + GC_SLACK_S)
         return True
 
     async def get(self, tenant: str, key: str) -> Record | None:
@@ -154,7 +160,7 @@ class MemoryStore(MemoryLogs):
         if rec is None:
             return False
         self._release(rec, now)
-        self._drop_request(rec.request_id)
+        self._drop_request(_rid(rec))
         return live is not None
 
     def _release(self, rec: Record, now: float) -> None:
@@ -188,14 +194,14 @@ class MemoryStore(MemoryLogs):
         return items
 
     async def purge_request(self, tenant: str, request_id: str) -> bool:
-        now = self.clock()
-        req = self._req(request_id, now)
-        if req is None or req.tenant != tenant:
+        now, rid = self.clock(), (tenant, request_id)
+        req = self._req(rid, now)
+        if req is None:
             return False
         rec = self._records.get((tenant, req.key)) if req.key else None
         if rec is not None and rec.request_id == request_id:
             self._release(rec, now)
-        self._drop_request(request_id)
+        self._drop_request(rid)
         return True
 
     # --- content dedup ---
@@ -225,6 +231,15 @@ class MemoryStore(MemoryLogs):
         del self._content[(tenant, fingerprint)]
         return True
 
+    # --- replica liveness ---
+
+    async def heartbeat(self, owner: str, lease_s: float) -> None:
+        self._wrote()
+        self._alive[owner] = self.clock() + lease_s
+
+    async def alive(self, owner: str) -> bool:
+        return self._alive.get(owner, 0.0) > self.clock()
+
     def sweep(self) -> None:
         super().sweep()
         now = self.clock()
@@ -235,6 +250,11 @@ class MemoryStore(MemoryLogs):
         drop_where(self._tombstones, lambda v: v[1] <= now)
         drop_where(self._content, lambda v: v[1] + GC_SLACK_S <= now)
         drop_where(self._batches, lambda v: v[1] <= now)
+        drop_where(self._alive, lambda until: until + GC_SLACK_S <= now)
+
+
+def _rid(rec: Record) -> tuple[str, str]:
+    return (rec.tenant, rec.request_id)
 
 
 def _copy(rec: Record) -> Record:

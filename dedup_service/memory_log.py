@@ -14,23 +14,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from dedup_service.model import LogAppend, LogEntry, LogSlice, Record, RequestInfo, State
-from dedup_service.store import GC_SLACK_S, RUNNING_GC_S, Clock
+from dedup_service.model import (
+    MAX_PAYLOAD_BYTES,
+    LogAppend,
+    LogEntry,
+    LogSlice,
+    Record,
+    RequestInfo,
+    State,
+    check_payload,
+)
+from dedup_service.timing import GC_SLACK_S, RUNNING_GC_S, Clock
 
 SWEEP_EVERY = 256  # writes between sweeps
 
 K = TypeVar("K")
 V = TypeVar("V")
 
+Rid = tuple[str, str]  # (tenant, request id): request ids are scoped per tenant
+
 
 @dataclass(slots=True)
 class _Req:
-    tenant: str
     key: str
     owner: str
     epoch: int
     state: State
     gc_at: float
+    payload: bytes = b""  # a keyless request's, for `take_request`
 
 
 @dataclass(slots=True)
@@ -49,61 +60,75 @@ class _Log:
 
 
 class MemoryLogs:
-    """Request id -> (tenant, key, owner, epoch, state), and each request's token log."""
+    """(tenant, request id) -> (key, owner, epoch, state), and each request's token log."""
 
-    def __init__(self, clock: Clock = time.time) -> None:
+    def __init__(self, clock: Clock = time.time, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
         self.clock = clock
-        self._reqs: dict[str, _Req] = {}
-        self._logs: dict[str, _Log] = {}
+        self.max_payload_bytes = max_payload_bytes
+        self._reqs: dict[Rid, _Req] = {}
+        self._logs: dict[Rid, _Log] = {}
         self._writes = 0
 
     # --- request index ---
 
-    async def start_request(self, tenant: str, request_id: str, owner: str) -> bool:
-        now = self.clock()
-        if self._req(request_id, now) is not None:
+    async def start_request(self, tenant: str, request_id: str, owner: str, *, payload: bytes = b"") -> bool:
+        check_payload(payload, self.max_payload_bytes)
+        now, rid = self.clock(), (tenant, request_id)
+        if self._req(rid, now) is not None:
             return False
         self._wrote()
-        self._reqs[request_id] = _Req(tenant, "", owner, 1, State.PROCESSING, now + RUNNING_GC_S)
-        self._logs[request_id] = _Log(now + RUNNING_GC_S)
+        self._reqs[rid] = _Req("", owner, 1, State.PROCESSING, now + RUNNING_GC_S, bytes(payload))
+        self._logs[rid] = _Log(now + RUNNING_GC_S)
         return True
 
     async def lookup_request(self, tenant: str, request_id: str) -> RequestInfo | None:
-        now = self.clock()
-        req = self._req(request_id, now)
-        if req is None or req.tenant != tenant:
+        now, rid = self.clock(), (tenant, request_id)
+        req = self._req(rid, now)
+        if req is None:
             return None
-        log = self._log(request_id, now)
+        log = self._log(rid, now)
         if not req.key and log is None:
             return None  # a keyless request lives as long as its log
         n, finished = (len(log.entries), log.finished) if log else (0, False)
-        return RequestInfo(request_id, req.tenant, req.key, req.owner, req.epoch, req.state, n, finished)
+        return RequestInfo(request_id, tenant, req.key, req.owner, req.epoch, req.state, n, finished, req.payload)
+
+    async def take_request(self, tenant: str, request_id: str, owner: str, epoch: int) -> int | None:
+        now, rid = self.clock(), (tenant, request_id)
+        req, log = self._req(rid, now), self._log(rid, now)
+        if req is None or log is None or req.key or req.state != State.PROCESSING or log.finished:
+            return None
+        if req.epoch != epoch:
+            return None  # another replica took it already
+        self._wrote()
+        req.owner, req.epoch = owner, epoch + 1
+        req.gc_at = log.gc_at = max(req.gc_at, now + RUNNING_GC_S)
+        return req.epoch
 
     def _index(self, rec: Record, now: float, reset_log: bool) -> None:
         """Point the request index at the record's owner and epoch; open (or keep) its log."""
-        gc_at = now + RUNNING_GC_S
-        self._reqs[rec.request_id] = _Req(rec.tenant, rec.key, rec.owner, rec.epoch, rec.state, gc_at)
-        log = self._logs.get(rec.request_id)
+        gc_at, rid = now + RUNNING_GC_S, (rec.tenant, rec.request_id)
+        self._reqs[rid] = _Req(rec.key, rec.owner, rec.epoch, rec.state, gc_at)
+        log = self._logs.get(rid)
         if reset_log or log is None:
             if log is not None:
                 log.notify()
-            self._logs[rec.request_id] = _Log(gc_at)
+            self._logs[rid] = _Log(gc_at)
         else:
             log.gc_at = gc_at
 
-    def _req(self, request_id: str, now: float) -> _Req | None:
-        req = self._reqs.get(request_id)
+    def _req(self, rid: Rid, now: float) -> _Req | None:
+        req = self._reqs.get(rid)
         return req if req is not None and req.gc_at > now else None
 
-    def _touch_req(self, request_id: str, state: State | None, gc_at: float) -> None:
-        req = self._reqs.get(request_id)
+    def _touch_req(self, rid: Rid, state: State | None, gc_at: float) -> None:
+        req = self._reqs.get(rid)
         if req is not None:
             req.state = state or req.state
             req.gc_at = gc_at
 
-    def _drop_request(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
-        log = self._logs.pop(request_id, None)
+    def _drop_request(self, rid: Rid) -> None:
+        self._reqs.pop(rid, None)
+        log = self._logs.pop(rid, None)
         if log is not None:
             log.notify()
 
@@ -114,7 +139,8 @@ class MemoryLogs:
         return [self._append(a, now) for a in appends]
 
     def _append(self, a: LogAppend, now: float) -> bool:
-        req, log = self._req(a.request_id, now), self._logs.get(a.request_id)
+        rid = (a.tenant, a.request_id)
+        req, log = self._req(rid, now), self._logs.get(rid)
         if req is None or log is None or (req.owner, req.epoch) != (a.owner, a.epoch):
             return False
         if log.finished or len(log.entries) != a.offset:
@@ -125,10 +151,17 @@ class MemoryLogs:
         return True
 
     async def finish(
-        self, request_id: str, owner: str, epoch: int, finish_info: bytes, keep_s: float, failed: bool = False
+        self,
+        tenant: str,
+        request_id: str,
+        owner: str,
+        epoch: int,
+        finish_info: bytes,
+        keep_s: float,
+        failed: bool = False,
     ) -> bool:
-        now = self.clock()
-        req, log = self._req(request_id, now), self._logs.get(request_id)
+        now, rid = self.clock(), (tenant, request_id)
+        req, log = self._req(rid, now), self._logs.get(rid)
         if req is None or log is None or (req.owner, req.epoch) != (owner, epoch) or log.finished:
             return False
         self._wrote()
@@ -140,23 +173,25 @@ class MemoryLogs:
         log.notify()
         return True
 
-    async def read(self, request_id: str, offset: int, limit: int = 1024) -> LogSlice | None:
-        log = self._log(request_id, self.clock())
+    async def read(self, tenant: str, request_id: str, offset: int, limit: int = 1024) -> LogSlice | None:
+        log = self._log((tenant, request_id), self.clock())
         if log is None:
             return None
         entries = log.entries[offset : offset + limit]
         end = offset + len(entries)
         return LogSlice(entries, end, log.finished and end >= len(log.entries), log.info if log.finished else b"")
 
-    async def tail(self, request_id: str, offset: int, timeout_s: float, limit: int = 1024) -> LogSlice | None:
-        log = self._log(request_id, self.clock())
+    async def tail(
+        self, tenant: str, request_id: str, offset: int, timeout_s: float, limit: int = 1024
+    ) -> LogSlice | None:
+        log = self._log((tenant, request_id), self.clock())
         if log is not None and len(log.entries) <= offset and not log.finished and timeout_s > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(log.changed.wait(), timeout_s)
-        return await self.read(request_id, offset, limit)
+        return await self.read(tenant, request_id, offset, limit)
 
-    def _log(self, request_id: str, now: float) -> _Log | None:
-        log = self._logs.get(request_id)
+    def _log(self, rid: Rid, now: float) -> _Log | None:
+        log = self._logs.get(rid)
         if log is None or log.gc_at <= now or (log.finished and log.expires_at <= now):
             return None
         return log

@@ -14,11 +14,31 @@ from urllib.parse import quote
 
 
 class StoreUnavailable(Exception):
-    """The store cannot be reached (Redis down, timing out). The control plane answers UNAVAILABLE."""
+    """The store cannot do this now (Redis down, timing out, full, read-only). The control plane answers
+    UNAVAILABLE.
+
+    The message goes to callers, so it never names the store's address: `where` does (for operators' logs),
+    and `__cause__` keeps the backend's own error.
+    """
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
+
+
+# The stored payload (a serialized request) of a claim or keyless start is bounded: records are kept for the
+# retention (24 h by default), so nothing unbounded may be stored. `make_store(..., max_payload_bytes=...)`.
+MAX_PAYLOAD_BYTES = 1 << 20
+
+
+def check_payload(payload: bytes, limit: int) -> None:
+    """ValueError when `payload` is over `limit` bytes (checked before anything is written)."""
+    if len(payload) > limit:
+        raise ValueError(f"payload of {len(payload)} bytes is over the store's limit of {limit} bytes")
 
 
 class State(StrEnum):
-    """State of an idempotency record (DESIGN §4.2)."""
+    """State of an idempotency record (docs/architecture.md, "The dedup decision")."""
 
     INIT = "INIT"  # claimed, waiting in the batch buffer
     PROCESSING = "PROCESSING"  # running on a worker
@@ -38,8 +58,8 @@ class Outcome(StrEnum):
     REPLAY = "REPLAY"  # SUCCESS: replay record.result
     REPLAY_ERROR = "REPLAY_ERROR"  # FAILED by the request's fault: replay record.error
     KEY_REUSED = "KEY_REUSED"  # the key holds another payload: FAILED_PRECONDITION IDEMPOTENCY_KEY_REUSED
-    # The request id is already used by another request (other key, other tenant or no key): the caller
-    # must pick another id. Not in the original brief; request ids are global (see RequestInfo).
+    # The tenant already uses the request id for another request (another key, or none): the caller must
+    # pick another id. Request ids are scoped per tenant (see RequestInfo).
     REQUEST_ID_IN_USE = "REQUEST_ID_IN_USE"
 
 
@@ -77,10 +97,10 @@ class ContentClaim(NamedTuple):
 
 @dataclass(slots=True)
 class RequestInfo:
-    """The request index entry of one request id: which tenant and replica own it.
+    """The request index entry of one (tenant, request id): which replica owns it, at which epoch.
 
-    Request ids are global (Resume names only the id), so the index is keyed by request id and stores the
-    tenant; lookups by another tenant see nothing.
+    Request ids are scoped per tenant: two tenants may use the same id at once, each seeing only its own
+    request and log, and nothing tells a tenant whether another uses an id.
     """
 
     request_id: str
@@ -91,6 +111,9 @@ class RequestInfo:
     state: State
     logged_tokens: int
     finished: bool
+    # What `start_request` stored for a keyless request (its serialized request), so that another replica
+    # can continue it (`take_request`). b"" for a keyed request: its payload is in its `Record`.
+    payload: bytes = b""
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,8 +140,10 @@ class LogEntry:
 
 @dataclass(slots=True)
 class LogAppend:
-    """Tokens for one request, starting at token index `offset` of its log; fenced by (owner, epoch)."""
+    """Tokens for one request (tenant, request id), starting at token index `offset` of its log; fenced by
+    (owner, epoch)."""
 
+    tenant: str
     request_id: str
     owner: str
     epoch: int

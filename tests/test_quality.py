@@ -21,5 +21,14 @@ def test_ruff_lint_and_format() -> None:
 
 
 def test_mypy() -> None:
-    result = _run("mypy", "protos", "control_plane", "worker", "dedup_service", "clients", "tests", "bench", "scripts")
+    result = _run(
+        "mypy", "protos", "security", "control_plane", "worker", "dedup_service", "clients", "tests", "bench", "scripts"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_layers_and_no_import_cycles() -> None:
+    """import-linter's contracts in pyproject.toml (docs/architecture.md, "Layers")."""
+    result = subprocess.run([str(Path(sys.executable).parent / "lint-imports")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

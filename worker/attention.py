@@ -12,7 +12,7 @@ written and dequantizes the blocks it gathers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,19 @@ import torch.nn.functional as F
 from worker.batch import PackedBatch, SeqSlice
 from worker.kv_quant import rotate
 
-if TYPE_CHECKING:
-    from worker.kv_cache import Store
+
+class KVStore(Protocol):
+    """K or V of one layer in the paged cache (the stores of worker/kv_cache.py)."""
+
+    @property
+    def rotation(self) -> torch.Tensor | None:
+        """The [D, D] rotation the store keeps its vectors in (queries and outputs must match), or None."""
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x: [T, KV, D] into rows `slots` (block * block_size + offset)."""
+
+    def read(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The blocks' vectors, [len(blocks), block_size, KV, D], in the model's dtype."""
 
 
 @dataclass(slots=True)
@@ -116,8 +127,8 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: Store,
-    v_cache: Store,
+    k_cache: KVStore,
+    v_cache: KVStore,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches: stores of [blocks, block_size, KV, D]. Returns [T, H * D]."""
@@ -133,7 +144,7 @@ def attend(
 
 
 def _over_cache(
-    q: torch.Tensor, kv_heads: int, k_cache: Store, v_cache: Store, meta: AttentionMetadata
+    q: torch.Tensor, kv_heads: int, k_cache: KVStore, v_cache: KVStore, meta: AttentionMetadata
 ) -> torch.Tensor:
     """Each sequence's queries over its cached K/V (this step's included); [T, H * D]."""
     t, heads, dim = q.shape

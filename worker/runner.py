@@ -5,28 +5,18 @@ It executes what the engine decided (which tokens, which blocks); it decides not
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from worker.attention import build_metadata
 from worker.batch import PackedBatch
 from worker.config import WorkerSettings
+from worker.device import resolve_device, resolve_dtype
 from worker.kv_cache import KVCache, KVDtype, blocks_for_budget, budget_bytes
+from worker.loaded import LoadedModel
+from worker.loading import load_model
 from worker.model import Transformer
-from worker.weights import LoadedModel, load_model
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 class ModelRunner:
@@ -52,7 +42,8 @@ class ModelRunner:
         """Resolve device and dtype, load the model, then size the cache from what memory is left."""
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
-        loaded = load_model(settings.model, device, dtype, settings.builtin_seed)
+        cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
+        loaded = load_model(settings.model, device, dtype, settings.builtin_seed, cache_dir)
         budget = budget_bytes(settings, device)
         kv = settings.kv_cache_dtype
         num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget, kv)

@@ -9,16 +9,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
-from worker.config import WorkerSettings
+from rpc.limits import INTERNAL_CHANNEL_OPTIONS
+from rpc.malformed import TolerantDecoding
+from rpc.standard_services import add_standard_services
+from security.internal import RequireToken
+from security.settings import ConfigError, InternalTlsSettings
+from security.tls import internal_server_credentials
+from worker.config import BUILTIN_NOTE, WorkerSettings
 from worker.engine import Engine, StepError
+from worker.parent import die_with
 from worker.pipeline import StepPipeline
 from worker.runner import ModelRunner
 from worker.telemetry import StepSpans
@@ -26,26 +31,16 @@ from worker.telemetry import StepSpans
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
-# The tokenizer alone can be several MB; gRPC's default receive limit is 4 MiB.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+GRPC_OPTIONS = INTERNAL_CHANNEL_OPTIONS  # the tokenizer alone can be several MB (gRPC's default limit: 4 MiB)
 GRACE_S = 5.0
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     """One scheduler session at a time over an Engine (None until the model has loaded)."""
 
-    def __init__(
-        self,
-        engine: Engine | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-        spans: StepSpans | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine | None = None, spans: StepSpans | None = None) -> None:
         self.engine = engine
-        self.clock = clock
         self.spans = spans  # None: tracing off, no per-step cost
         self._session_active = False
 
@@ -68,7 +63,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         try:
             # The engine's lock makes this wait for a step still running from a cancelled session.
             await asyncio.to_thread(engine.reset)
-            async for done in StepPipeline(engine, self.clock).run(request_iterator):
+            async for done in StepPipeline(engine).run(request_iterator):
                 if isinstance(done.error, StepError):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error))
                 if done.error is not None:  # a model failure: end this session, keep the worker serving
@@ -86,13 +81,22 @@ def _startup_lines(settings: WorkerSettings, engine: Engine, port: int) -> list[
     info = engine.info()
     lines = [
         f"coalesce worker listening on {settings.host}:{port} "
-        f"(model {info.model_name}, device {info.device}, {info.num_blocks} KV blocks, KV {info.kv_cache_dtype})"
+        f"(model {info.model_name}, device {info.device}, dtype {info.dtype}, {info.num_blocks} KV blocks, "
+        f"KV {info.kv_cache_dtype})"
     ]
     if info.model_name == "builtin":
-        lines.append(
-            "note: the builtin model has random weights, so its output is noise; --model DIR loads a real checkpoint"
-        )
+        lines.append(BUILTIN_NOTE)
     return lines
+
+
+def check_access(settings: WorkerSettings, token: str, tls: InternalTlsSettings | None, open_access: bool) -> None:
+    """A worker serves only its control plane (docs/security.md): bound beyond loopback it needs the internal
+    token or mTLS, unless auth is disabled explicitly."""
+    if not (token or (tls is not None and tls.enabled) or open_access or settings.host in LOOPBACK):
+        raise ConfigError(
+            f"a worker listening on {settings.host} must serve only its control plane: set internal_token "
+            "(COALESCE_INTERNAL_TOKEN) or internal_tls (docs/security.md), or auth.disabled: true"
+        )
 
 
 async def serve_worker(
@@ -101,27 +105,37 @@ async def serve_worker(
     stop: asyncio.Event | None = None,
     *,
     runner: ModelRunner | None = None,
+    engine: Engine | None = None,
+    token: str = "",
+    tls: InternalTlsSettings | None = None,
 ) -> None:
     """Serve until `stop` is set or the task is cancelled, then stop gracefully.
 
     Binds first (health NOT_SERVING, Info/Step UNAVAILABLE), then loads the model unless `runner` is given,
-    then reports SERVING and calls `on_ready(bound_port)`.
+    then reports SERVING and calls `on_ready(bound_port)`. With `token`, Info and Step need it as a bearer
+    token; with `tls`, callers need a client certificate the internal CA signed.
     """
     service = WorkerService(spans=StepSpans.from_env())
-    health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    interceptors: list[grpc.aio.ServerInterceptor] = [TolerantDecoding()]
+    if token:
+        interceptors.append(RequireToken(token, (SERVICE_NAME,)))
+    server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    health_servicer = add_standard_services(server, [SERVICE_NAME])
+    address = f"{settings.host}:{settings.port}"
+    if tls is not None and tls.enabled:
+        port = server.add_secure_port(address, internal_server_credentials(tls))
+    else:
+        port = server.add_insecure_port(address)
     await server.start()
     try:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if runner is None:
-            runner = await asyncio.to_thread(ModelRunner.from_settings, settings)
-        service.engine = Engine(runner)
+        if engine is None:
+            if runner is None:
+                runner = await asyncio.to_thread(ModelRunner.from_settings, settings)
+            engine = Engine(runner)
+        service.engine = engine
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if on_ready is not None:
@@ -134,8 +148,19 @@ async def serve_worker(
             service.spans.shutdown()  # flush the last steps' spans
 
 
-def run_worker(settings: WorkerSettings) -> None:
-    """The `coalesce worker` command: load the model, serve, stop cleanly on SIGINT/SIGTERM."""
+def run_worker(
+    settings: WorkerSettings,
+    *,
+    token: str = "",
+    tls: InternalTlsSettings | None = None,
+    open_access: bool = False,
+    parent_pid: int = 0,
+) -> None:
+    """The `coalesce worker` command: load the model, serve, stop cleanly on SIGINT/SIGTERM (and when the
+    `coalesce serve` that spawned it, `parent_pid`, dies)."""
+    check_access(settings, token, tls, open_access)
+    if parent_pid:
+        die_with(parent_pid)
     # Loaded before any gRPC object exists; the listening line below then has everything it names.
     runner = ModelRunner.from_settings(settings)
 
@@ -145,10 +170,12 @@ def run_worker(settings: WorkerSettings) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
 
+        engine = Engine(runner)
+
         def ready(port: int) -> None:
-            for line in _startup_lines(settings, Engine(runner), port):
+            for line in _startup_lines(settings, engine, port):
                 print(line, flush=True)
 
-        await serve_worker(settings, ready, stop, runner=runner)
+        await serve_worker(settings, ready, stop, runner=runner, engine=engine, token=token, tls=tls)
 
     asyncio.run(main())

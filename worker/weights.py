@@ -1,78 +1,83 @@
-"""Loading a model: the built-in one, or a Hugging Face checkpoint directory (config.json, safetensors,
-tokenizer.json, optional generation_config.json)."""
+"""Loading a Hugging Face checkpoint directory: config.json, safetensors (single or sharded), tokenizer.json,
+and optionally generation_config.json, tokenizer_config.json and chat_template.jinja."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from worker.model import ModelConfig, Transformer, rope_inv_freq
+from worker.loaded import LoadedModel, ModelLoadError, build_model
+from worker.model import ModelConfig
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    config: ModelConfig
-    name: str
-    architecture: str
-    tokenizer_json: bytes
-    eos_token_ids: list[int]
-    bos_token_id: int | None  # None when the model has none
-
-
-def load_model(spec: str, device: torch.device, dtype: torch.dtype, builtin_seed: int = 0) -> LoadedModel:
-    """`spec` is "builtin" or a checkpoint directory."""
-    if spec == "builtin":
-        from worker.builtin import build_builtin  # late: builtin imports LoadedModel from here
-
-        return build_builtin(builtin_seed, device, dtype)
-    path = Path(spec)
+def load_hf_dir(path: Path, device: torch.device, dtype: torch.dtype, name: str | None = None) -> LoadedModel:
+    """The checkpoint in `path`; raises ModelLoadError naming the file and the problem."""
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path} (use 'builtin' or a checkpoint directory)")
-    hf = _read_json(path / "config.json")
-    config = ModelConfig.from_hf(hf)
+        raise ModelLoadError(f"model directory not found: {path}")
+    hf = read_json(path / "config.json")
+    try:
+        config = ModelConfig.from_hf(hf)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {_reason(e)}") from None
     tokenizer_json = read_tokenizer(path / "tokenizer.json")
     gen_path = path / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.exists() else {}
+    gen = read_json(gen_path) if gen_path.exists() else {}
     eos = list(dict.fromkeys(_ids(hf.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
     bos = _ids(hf.get("bos_token_id")) or _ids(gen.get("bos_token_id"))
-    state = map_hf_state(config, _read_safetensors(path, device, dtype))
+    template, special = read_chat_template(path)
+    try:
+        state = map_hf_state(config, _read_safetensors(path, device, dtype))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     return LoadedModel(
         model=build_model(config, state, device),
         config=config,
-        name=path.resolve().name,
+        name=name or path.resolve().name,
         architecture=config.architecture,
         tokenizer_json=tokenizer_json,
         eos_token_ids=eos,
         bos_token_id=bos[0] if bos else None,
+        chat_template=template,
+        special_tokens=special,
     )
-
-
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> Transformer:
-    """A Transformer holding exactly the given tensors (built on the meta device: no throwaway init)."""
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = rope_inv_freq(config).to(device)  # a non-persistent buffer: not in `state`
-    return model.eval().requires_grad_(False)
 
 
 def read_tokenizer(path: Path) -> bytes:
     """tokenizer.json bytes, checked by loading them with `tokenizers`."""
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file not found: {path}")
+        raise ModelLoadError(f"tokenizer file not found: {path}")
     data = path.read_bytes()
     try:
         Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:
-        raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from e
+        raise ModelLoadError(f"{path} is not a valid tokenizer.json: {e}") from None
     return data
+
+
+def read_chat_template(path: Path) -> tuple[str, dict[str, str]]:
+    """The chat template (chat_template.jinja, else tokenizer_config.json's `chat_template`; "" when none) and
+    the special token strings of tokenizer_config.json."""
+    config_path = path / "tokenizer_config.json"
+    config = read_json(config_path) if config_path.is_file() else {}
+    special = {k: s for k in SPECIAL_TOKEN_NAMES if (s := _token_text(config.get(k)))}
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), special
+    template = config.get("chat_template") or ""
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or ""
+    if not isinstance(template, str):
+        raise ModelLoadError(f"{config_path}: chat_template is neither a string nor a list of named templates")
+    return template, special
 
 
 def map_hf_state(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -112,27 +117,31 @@ def _read_safetensors(path: Path, device: torch.device, dtype: torch.dtype) -> d
     if single.is_file():
         files = [single]
     elif index.is_file():
-        weight_map = _read_json(index).get("weight_map") or {}
+        weight_map = read_json(index).get("weight_map") or {}
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         if not file.is_file():
-            raise FileNotFoundError(f"checkpoint shard not found: {file}")
-        state.update({k: t.to(dtype) for k, t in load_file(file, device=str(device)).items()})
+            raise ModelLoadError(f"checkpoint shard not found: {file}")
+        try:
+            tensors = load_file(file, device=str(device))
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {e}") from None
+        state.update({k: t.to(dtype) for k, t in tensors.items()})
     return state
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise FileNotFoundError(f"file not found: {path}")
+        raise ModelLoadError(f"file not found: {path}")
     try:
         data = json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise ModelLoadError(f"{path} does not hold a JSON object")
     return data
 
 
@@ -141,3 +150,14 @@ def _ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _token_text(value: Any) -> str:
+    """A special token in tokenizer_config.json: a string, or an AddedToken dict with its `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _reason(e: Exception) -> str:
+    return f"missing field {e}" if isinstance(e, KeyError) else str(e)

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §5), on their own CollectorRegistry. The table in docs/observability.md lists
+"""Prometheus metrics, on their own CollectorRegistry. The table in docs/observability.md lists
 every series; the GenAI histograms use the OpenTelemetry GenAI semantic conventions' bucket boundaries.
 
 Counters and histograms are updated by the Observer on the event loop. Scheduler state (running/waiting per

@@ -25,8 +25,9 @@ from control_plane.telemetry.tracing import TRACER_NAME, epoch_ns
 from protos.coalesce.v1 import inference_pb2
 
 if TYPE_CHECKING:
-    from control_plane.dispatcher import Dispatcher, GenerationSpec
+    from control_plane.dispatcher import Dispatcher
     from control_plane.generation import Generation
+    from control_plane.request import Request
     from control_plane.sequence import SeqEvent, Sequence
     from control_plane.step_plan import StepPlan
     from control_plane.worker_link import WorkerLink
@@ -34,7 +35,10 @@ if TYPE_CHECKING:
 
 OPERATION = "text_completion"
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-DEDUP_OUTCOMES = {"idempotency": ("miss", "coalesced", "replayed", "takeover"), "content": ("miss", "coalesced", "hit")}
+DEDUP_OUTCOMES = {
+    "idempotency": ("miss", "coalesced", "replayed", "takeover"),
+    "content": ("miss", "coalesced", "takeover"),
+}
 
 
 def kv_dtype(info: worker_pb2.InfoResponse | None, converted: bool) -> str:
@@ -125,17 +129,17 @@ class TelemetryObserver(Observer):
         return meter
 
     # -- request hooks -----------------------------------------------------------------------------------
-    def on_request(self, gen: Generation, spec: GenerationSpec, now: float) -> None:
-        req = _Request(spec.pool, now, (OPERATION, self.model, spec.pool), resumed=bool(gen.token_ids))
+    def on_request(self, gen: Generation, request: Request, now: float) -> None:
+        req = _Request(request.pool, now, (OPERATION, self.model, request.pool), resumed=bool(gen.token_ids))
         if self.tracer is not None:
             req.span, req.owned = self._request_span(now)
-            req.span.set_attributes(self._request_attributes(spec))
+            req.span.set_attributes(self._request_attributes(request))
             req.trace_id = f"{req.span.get_span_context().trace_id:032x}"
         self._requests[gen.request_id] = req
         if self.events:
             logs.event("request.start", f"request {gen.request_id} queued", request_id=gen.request_id,
-                       trace_id=req.trace_id, pool=spec.pool, prompt_tokens=len(spec.prompt_ids),
-                       max_tokens=spec.max_tokens)  # fmt: skip
+                       trace_id=req.trace_id, pool=request.pool, prompt_tokens=len(request.prompt_ids),
+                       max_tokens=request.max_tokens)  # fmt: skip
 
     def _request_span(self, now: float) -> tuple[Span, bool]:
         assert self.tracer is not None
@@ -145,17 +149,17 @@ class TelemetryObserver(Observer):
         # On a Session stream (or outside any call) each generation gets its own span.
         return self.tracer.start_span(f"{OPERATION} {self.model}", start_time=epoch_ns(now)), True
 
-    def _request_attributes(self, spec: GenerationSpec) -> dict[str, str | int | float]:
-        s = spec.sampling
+    def _request_attributes(self, request: Request) -> dict[str, str | int | float]:
+        s = request.sampling
         attrs: dict[str, str | int | float] = {
             "gen_ai.operation.name": OPERATION,
             "gen_ai.request.model": self.model,
-            "gen_ai.request.max_tokens": spec.max_tokens,
+            "gen_ai.request.max_tokens": request.max_tokens,
             "gen_ai.request.temperature": s.temperature,
             "gen_ai.request.top_p": s.top_p,
-            "gen_ai.usage.input_tokens": len(spec.prompt_ids),
-            "coalesce.request_id": spec.request_id,
-            "coalesce.pool": spec.pool,
+            "gen_ai.usage.input_tokens": len(request.prompt_ids),
+            "coalesce.request_id": request.request_id,
+            "coalesce.pool": request.pool,
         }
         if s.seed:
             attrs["gen_ai.request.seed"] = s.seed

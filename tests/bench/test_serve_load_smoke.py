@@ -1,5 +1,5 @@
 """`bench/serve_load.py --quick` runs end to end and prints its tables. Timing is never asserted here
-(DESIGN §7): the figures depend on the machine; only the bench's shape is checked."""
+(benchmarks print ratios, tests never assert times): only the bench's shape is checked."""
 
 from __future__ import annotations
 

@@ -64,6 +64,23 @@ def merged(parts: list[inference_pb2.GenerateResponse]) -> inference_pb2.Generat
     return one
 
 
+def bad_prompt_details() -> list[any_pb2.Any]:
+    """What the real server attaches to a bad field: BadRequest and ErrorInfo."""
+    bad = error_details_pb2.BadRequest(
+        field_violations=[error_details_pb2.BadRequest.FieldViolation(field="text", description="must not be 'bad'")]
+    )
+    details = [any_pb2.Any(), any_pb2.Any()]
+    details[0].Pack(bad)
+    details[1].Pack(error_details_pb2.ErrorInfo(reason="BAD_PROMPT", domain="coalesce"))
+    return details
+
+
+def bad_prompt_status() -> grpc.Status:
+    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message="prompt: must not be 'bad'")
+    status.details.extend(bad_prompt_details())
+    return rpc_status.to_status(status)
+
+
 def exhausted_status(delay: float) -> grpc.Status:
     retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(nanos=int(delay * 1e9)))
     info = error_details_pb2.ErrorInfo(reason="QUEUE_FULL", domain="coalesce")
@@ -83,6 +100,7 @@ class Call:
     key_header: str | None
     authorization: str | None
     request_id: str
+    time_remaining: float | None  # the call's deadline, as the server saw it
 
 
 @dataclass
@@ -102,11 +120,17 @@ class ScriptedInference(inference_pb2_grpc.InferenceServiceServicer):
         md = dict(context.invocation_metadata() or ())
         request_id = request.request_id or f"req-{len(self.requests) + 1}"
         self.generate_calls.append(
-            Call(request.idempotency_key, md.get("x-idempotency-key"), md.get("authorization"), request_id)
+            Call(
+                request.idempotency_key,
+                md.get("x-idempotency-key"),
+                md.get("authorization"),
+                request_id,
+                context.time_remaining(),
+            )
         )
         s = self.script
         if prompt_of(request) == "bad":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be 'bad'")
+            await context.abort_with_status(bad_prompt_status())
         if s.unavailable_before_first:
             s.unavailable_before_first -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
@@ -126,6 +150,8 @@ class ScriptedInference(inference_pb2_grpc.InferenceServiceServicer):
                     return
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "connection to the control plane lost")
             yield part
+            if prompt_of(request) == "hang":
+                await asyncio.Event().wait()  # one chunk, then nothing until the call ends
 
     async def Resume(
         self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
@@ -162,7 +188,9 @@ class ScriptedInference(inference_pb2_grpc.InferenceServiceServicer):
 
         async def run(stream_id: str, request_id: str, request: inference_pb2.GenerateRequest, start: int) -> None:
             if prompt_of(request) == "bad":
-                err = inference_pb2.SessionError(code=3, message="prompt: must not be 'bad'", reason="BAD_PROMPT")
+                err = inference_pb2.SessionError(
+                    code=3, message="prompt: must not be 'bad'", reason="BAD_PROMPT", details=bad_prompt_details()
+                )
                 out.put_nowait(inference_pb2.SessionResponse(stream_id=stream_id, error=err))
                 return
             self.requests[request_id] = request

@@ -16,7 +16,7 @@ from scripted_server import Script, expected, serve
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
 from clients.retry import NO_RETRY, Progress, RetryPolicy, backoff, next_delay
-from clients.types import Chunk, CoalesceError, build_request
+from clients.types import Chunk, CoalesceError, Message, build_request
 
 Server = Callable[..., Awaitable[str]]
 KINDS = pytest.mark.parametrize("kind", ["sync", "aio"])
@@ -71,6 +71,26 @@ async def test_sync_result_sends_bearer_token_and_an_automatic_key(grpc_server: 
     call = svc.generate_calls[0]
     assert call.authorization == "Bearer team-a"
     assert uuid.UUID(call.key_field) and call.key_header == call.key_field
+
+
+@KINDS
+async def test_chat_sends_the_conversation_as_messages(grpc_server: Server, kind: str) -> None:
+    address, svc = await serve(grpc_server)
+    turns: list[Message] = [{"role": "system", "content": "be brief"}, ("user", "hi")]
+    if kind == "sync":
+
+        def run() -> Any:
+            with CoalesceClient(address) as client:
+                return client.chat(turns, max_tokens=4, request_id="c1").result()
+
+        result = await asyncio.to_thread(run)
+    else:
+        async with AsyncCoalesceClient(address) as client:
+            result = await client.chat(turns, max_tokens=4, request_id="c1").result()
+    assert result.token_ids == expected("ids", 4)[0]
+    request = svc.requests["c1"]
+    assert request.WhichOneof("prompt") == "messages" and request.sampling.max_tokens == 4
+    assert [(m.role, m.content) for m in request.messages.messages] == [("system", "be brief"), ("user", "hi")]
 
 
 @KINDS
@@ -141,7 +161,29 @@ async def test_invalid_argument_is_raised_at_once(grpc_server: Server, kind: str
         await generate(kind, address, prompt="bad")
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.message == "prompt: must not be 'bad'"
+    assert (caught.value.reason, caught.value.field_violations) == ("BAD_PROMPT", [("text", "must not be 'bad'")])
     assert len(svc.generate_calls) == 1
+
+
+@KINDS
+@pytest.mark.parametrize("key", [None, "mine"])
+async def test_a_timeout_is_the_deadline_and_frees_the_clients_own_generation(
+    grpc_server: Server, kind: str, key: str | None
+) -> None:
+    """The client's automatic key makes a generation resumable on the server; when its own deadline passes
+    it will not come back, so it cancels it. A key the caller chose means "keep it": no cancel."""
+    address, svc = await serve(grpc_server)
+    with pytest.raises(CoalesceError) as caught:
+        await generate(kind, address, prompt="hang", timeout=0.5, idempotency_key=key)
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    remaining = svc.generate_calls[0].time_remaining
+    assert remaining is not None and 0 < remaining < 1  # the deadline reached the server
+    assert len(svc.generate_calls) == 1  # DEADLINE_EXCEEDED is not retried
+    assert svc.cancelled == ([] if key else ["req-1"])
+
+
+def test_build_request_names_the_model() -> None:
+    assert build_request("x", model="llama").model == "llama"
 
 
 @KINDS
@@ -178,6 +220,7 @@ async def test_sync_session_multiplexes_generations_cancel_and_errors(grpc_serve
     assert (a.token_ids, a.text) == expected("a", 6) and (b.token_ids, b.text) == expected("b", 4)
     assert [t for c in hang for t in c.token_ids] == [1000, 1001] and hang[-1].finish_reason == "cancelled"
     assert (err.code, err.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_PROMPT")
+    assert err.field_violations == [("text", "must not be 'bad'")]
     assert svc.session_calls == 1 and ("3", "cancel") in svc.session_actions
 
 

@@ -85,6 +85,34 @@ async def test_generate_errors_are_one_line(grpc_server: Server, capsys: pytest.
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+async def test_generate_json_errors_are_one_json_object(
+    grpc_server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, _ = await serve(grpc_server)
+    assert await exit_status(["generate", "bad", "--address", address, "--json"]) == 1
+    out = capsys.readouterr()
+    assert out.err == "" and json.loads(out.out) == {
+        "type": "error",
+        "code": "INVALID_ARGUMENT",
+        "message": "prompt: must not be 'bad'",
+        "reason": "BAD_PROMPT",
+        "field_violations": [{"field": "text", "description": "must not be 'bad'"}],
+    }
+
+
+async def test_generate_flags_reach_the_request_and_the_address_comes_from_the_environment(
+    grpc_server: Server, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, svc = await serve(grpc_server)
+    monkeypatch.setenv("COALESCE_ADDRESS", address)
+    argv = ["generate", "hi", "--ignore-eos", "--logprobs", "3", "--timeout", "30", "--model", "scripted", "--json"]
+    await asyncio.to_thread(generate_cmd.run, build_parser().parse_args(argv))
+    request, call = svc.requests["req-1"], svc.generate_calls[0]
+    assert request.sampling.ignore_eos and request.sampling.logprobs == 3 and request.model == "scripted"
+    assert call.time_remaining is not None and 0 < call.time_remaining < 31
+    assert json.loads(capsys.readouterr().out)["logprobs"] == []  # the scripted server sends none
+
+
 async def test_batch_submits_and_waits_for_every_item(
     grpc_server: Server, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

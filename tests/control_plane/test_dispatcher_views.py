@@ -30,7 +30,7 @@ def setup(monkeypatch: pytest.MonkeyPatch) -> tuple[Dispatcher, Clock]:
 
 
 def _running(d: Dispatcher, request_id: str, tenant: str = "t") -> View:
-    return d.add_view(View(request_id, Generation(request_id, tenant, prompt_tokens=3)))
+    return d.register(View(request_id, Generation(request_id, tenant, prompt_tokens=3)))
 
 
 def test_a_follower_cancel_spares_the_leader_and_the_last_cancel_stops_it(setup: tuple[Dispatcher, Clock]) -> None:
@@ -91,3 +91,22 @@ def test_finished_generations_are_forgotten_after_the_resume_window(setup: tuple
     d.sweep(clock.now)
     with pytest.raises(ApiError, match="unknown or expired"):
         d.get("a", "t")
+
+
+def test_a_generation_nobody_ever_reads_is_abandoned_after_the_grace_period(setup: tuple[Dispatcher, Clock]) -> None:
+    d, clock = setup
+    view = _running(d, "orphan")  # its caller went away before reading (e.g. its deadline passed)
+    clock.now += 30
+    d.sweep(clock.now)
+    assert view.gen.finish_reason == CANCELLED
+
+
+def test_cancel_keeps_the_tokens_the_request_had(setup: tuple[Dispatcher, Clock]) -> None:
+    d, _ = setup
+    leader = _running(d, "a")
+    follower = d.join(leader, "b", COALESCED)
+    for token in range(4):
+        leader.gen.append(token, "x")
+    assert d.cancel_view(follower) is True and d.cancel_view(follower) is False
+    leader.gen.append(4, "x")
+    assert follower.final_length == 4 and leader.final_length is None

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from control_plane.errors import ApiError
-from control_plane.generation import Generation
+from control_plane.generation import Generation, View
 from protos.coalesce.v1 import inference_pb2
 
 
@@ -79,3 +79,19 @@ async def test_failure_reaches_readers_after_the_tokens_they_missed() -> None:
         async for chunk in gen.follow(0):
             seen.extend(chunk.token_ids)
     assert seen == [1]
+
+
+async def test_a_cancelled_view_ends_at_its_cancel_point_from_any_offset() -> None:
+    gen = Generation("r6", "t", prompt_tokens=2)
+    leader, follower = View("r6", gen), View("r7", gen, inference_pb2.DEDUP_OUTCOME_COALESCED)
+    for i in range(10):
+        gen.append(i, str(i))
+    follower.cancel()  # the computation goes on for the leader
+    gen.append(10, "10")
+    for offset in (0, 3, 10):
+        for stream in (True, False):
+            chunks = [c async for c in follower.follow(offset, stream)]
+            assert [t for c in chunks for t in c.token_ids] == list(range(offset, 10))
+            assert chunks[0].offset == offset and chunks[-1].finish_reason == inference_pb2.FINISH_REASON_CANCELLED
+            assert chunks[-1].usage.completion_tokens == 10 and chunks[0].request_id == "r7"
+    assert follower.final_length == 10 and leader.final_length is None and not gen.done

@@ -341,3 +341,19 @@ def test_stats_and_load() -> None:
     st = s.stats()
     assert st.running == {"interactive": 2, "batch": 0} and st.kv_used == 4 and st.kv_by_pool["interactive"] == 4
     assert st.load == pytest.approx(0.5)  # 2 of 4 slots
+
+
+def test_tenants_are_admitted_fairly_not_in_arrival_order() -> None:
+    s, _ = make(max_batch=(4, 64))
+    hog = [req(4) for _ in range(20)]
+    for q in hog:
+        q.tenant = "hog"
+        s.add(q)
+    small = req(4)
+    small.tenant = "small"
+    s.add(small)  # arrives last, behind twenty of another tenant's
+    plan = s.schedule()
+    assert plan is not None
+    admitted = [w.seq for w in plan.works]
+    assert small in admitted and len(admitted) == 4  # one of the four slots, not the 21st in line
+    assert [q for q in admitted if q is not small] == hog[:3]  # FIFO within a tenant

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from control_plane.admission import idempotency_key, longest_token_bytes
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError
 from control_plane.validation import Limits, resolve_max_tokens, validate_generate
@@ -117,3 +120,66 @@ def test_status_carries_google_rpc_details() -> None:
     bad = error_details_pb2.BadRequest()
     assert proto.details[0].Unpack(bad)
     assert bad.field_violations[0].field == "sampling.top_k"
+
+
+def test_a_huge_stop_token_id_list_is_refused_before_anything_is_kept() -> None:
+    req = inference_pb2.GenerateRequest(text="x")
+    req.sampling.stop_token_ids.extend([1] * 1_000_000)
+    with pytest.raises(ApiError) as err:
+        validate_generate(req, LIMITS)
+    assert err.value.violations == [("sampling.stop_token_ids", "1000000 stop token ids; at most 64")]
+
+
+def test_the_payload_kept_with_a_key_drops_unknown_fields(byte_tokenizer: Tokenizer) -> None:
+    from google.protobuf.unknown_fields import UnknownFieldSet
+
+    from control_plane.admission import Admission
+    from control_plane.config import load_settings
+
+    known = inference_pb2.GenerateRequest(text="hello").SerializeToString()
+    unknown_field = b"\xfa\x06" + bytes([0x80, 0x80, 0x01]) + b"u" * 16384  # field 111, 16 KiB of junk
+    req = inference_pb2.GenerateRequest.FromString(known + unknown_field)
+    admitted = Admission(byte_tokenizer, LIMITS, load_settings()).admit(req, "t", key="k1")
+    kept = inference_pb2.GenerateRequest.FromString(admitted.payload)
+    assert kept.text == "hello" and kept.request_id == admitted.request_id
+    assert len(admitted.payload) < 100 and len(UnknownFieldSet(kept)) == 0
+    assert len(UnknownFieldSet(req)) == 1  # the caller's message really carried it
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_by_its_bytes(byte_tokenizer: Tokenizer) -> None:
+    assert longest_token_bytes(byte_tokenizer) == 2  # the byte-level alphabet: 1 or 2 UTF-8 bytes per token
+    limits = dataclasses.replace(LIMITS, max_token_bytes=2)
+    assert limits.max_prompt_bytes == 4096
+    validate_generate(inference_pb2.GenerateRequest(text="é" * 2048), limits)  # 4096 bytes: may fit
+    with pytest.raises(ApiError) as err:
+        validate_generate(inference_pb2.GenerateRequest(text="x" * 4097), limits, prefix="generate.request.")
+    assert err.value.reason == "CONTEXT_LENGTH_EXCEEDED"
+    assert err.value.violations == [
+        ("generate.request.text", "4097 bytes; at most 4096 bytes can fit the model's context of 2048 tokens")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "header", "prefix", "where", "reason"),
+    [
+        ("a", "b", "", "idempotency_key", "IDEMPOTENCY_KEY_MISMATCH"),
+        ("k" * 257, None, "generate.request.", "generate.request.idempotency_key", "INVALID_FIELD"),
+        ("", "k" * 257, "", "x-idempotency-key", "INVALID_FIELD"),
+        ("batch/x/y", None, "", "idempotency_key", "INVALID_FIELD"),
+    ],
+)
+def test_idempotency_key_errors_name_where_the_key_came_from(
+    field: str, header: str | None, prefix: str, where: str, reason: str
+) -> None:
+    request = inference_pb2.GenerateRequest(text="hi", idempotency_key=field)
+    metadata = [("x-idempotency-key", header)] if header is not None else []
+    with pytest.raises(ApiError) as err:
+        idempotency_key(request, metadata, prefix)
+    assert [f for f, _ in err.value.violations] == [where] and err.value.reason == reason
+
+
+def test_idempotency_key_from_the_field_or_the_header_when_they_agree() -> None:
+    keyed = inference_pb2.GenerateRequest(text="hi", idempotency_key="k")
+    assert idempotency_key(keyed, [("x-idempotency-key", "k")]) == "k"
+    assert idempotency_key(keyed, []) == "k"
+    assert idempotency_key(inference_pb2.GenerateRequest(text="hi"), [("x-idempotency-key", "h")]) == "h"

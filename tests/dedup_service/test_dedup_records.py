@@ -62,7 +62,9 @@ async def test_renew_keeps_the_lease(store: Store, clock: Clock) -> None:
 async def test_takeover_fences_the_stale_owner(store: Store, clock: Clock) -> None:
     await claim(store)
     assert await store.mark_processing(T, K, "cp-a", 1)
-    assert await store.append_many([LogAppend("req-1", "cp-a", 1, 0, [LogEntry(1, "a"), LogEntry(2, "b")])]) == [True]
+    assert await store.append_many([LogAppend(T, "req-1", "cp-a", 1, 0, [LogEntry(1, "a"), LogEntry(2, "b")])]) == [
+        True
+    ]
 
     clock.advance(LEASE + 0.001)
     took = await claim(store, owner="cp-b", rid="req-other")
@@ -72,7 +74,7 @@ async def test_takeover_fences_the_stale_owner(store: Store, clock: Clock) -> No
     assert (rec.owner, rec.epoch, rec.request_id, rec.state) == ("cp-b", 2, "req-1", State.INIT)
 
     # The new owner continues from the logged tokens.
-    log = await store.read("req-1", 0)
+    log = await store.read(T, "req-1", 0)
     assert log is not None and [e.token_id for e in log.entries] == [1, 2]
 
     # The old owner (epoch 1) can write nothing: not the record, not the log.
@@ -80,14 +82,14 @@ async def test_takeover_fences_the_stale_owner(store: Store, clock: Clock) -> No
     assert not await store.mark_processing(T, K, "cp-a", 1)
     assert not await store.succeed(T, K, "cp-a", 1, b"stale", RETAIN)
     assert not await store.fail(T, K, "cp-a", 1, "stale", RETAIN, retryable=True)
-    assert await store.append_many([LogAppend("req-1", "cp-a", 1, 2, [LogEntry(9)])]) == [False]
-    assert not await store.finish("req-1", "cp-a", 1, b"stale", KEEP)
+    assert await store.append_many([LogAppend(T, "req-1", "cp-a", 1, 2, [LogEntry(9)])]) == [False]
+    assert not await store.finish(T, "req-1", "cp-a", 1, b"stale", KEEP)
     # Nor can another owner claiming the new epoch number.
     assert not await store.renew(T, K, "cp-c", 2, LEASE)
     after = await store.get(T, K)
     assert after is not None and (after.owner, after.epoch, after.state) == ("cp-b", 2, State.INIT)
 
-    assert await store.append_many([LogAppend("req-1", "cp-b", 2, 2, [LogEntry(3, "c")])]) == [True]
+    assert await store.append_many([LogAppend(T, "req-1", "cp-b", 2, 2, [LogEntry(3, "c")])]) == [True]
     assert await store.succeed(T, K, "cp-b", 2, b"done", RETAIN)
     info = await store.lookup_request(T, "req-1")
     assert info is not None
@@ -114,15 +116,15 @@ async def test_failure_by_the_server_releases_the_key(store: Store) -> None:
     assert retry.record is not None and retry.record.epoch == 2
     # The first run's stale writes are refused although owner and request id are the same.
     assert not await store.succeed(T, K, "cp-a", 1, b"late", RETAIN)
-    assert await store.append_many([LogAppend("req-1", "cp-a", 1, 0, [LogEntry(5)])]) == [False]
+    assert await store.append_many([LogAppend(T, "req-1", "cp-a", 1, 0, [LogEntry(5)])]) == [False]
 
 
 async def test_purge(store: Store) -> None:
     await claim(store)
-    await store.append_many([LogAppend("req-1", "cp-a", 1, 0, [LogEntry(1)])])
+    await store.append_many([LogAppend(T, "req-1", "cp-a", 1, 0, [LogEntry(1)])])
     assert await store.purge(T, K)
     assert await store.get(T, K) is None
-    assert await store.read("req-1", 0) is None
+    assert await store.read(T, "req-1", 0) is None
     assert await store.lookup_request(T, "req-1") is None
     assert not await store.purge(T, K)
     # The purged owner is fenced out; the key is free for a new run.
@@ -139,9 +141,9 @@ async def test_request_index(store: Store) -> None:
     # Not your tenant: not found.
     assert await store.lookup_request("tenant-b", "req-1") is None
     assert not await store.purge_request("tenant-b", "req-1")
-    # A request id names one request: another key, tenant or keyless request cannot take it.
+    # A request id names one request of its tenant: another key or a keyless request cannot take it.
     assert (await claim(store, key="key-2", rid="req-1")).outcome == Outcome.REQUEST_ID_IN_USE
-    assert not await store.start_request("tenant-b", "req-1", "cp-b")
+    assert not await store.start_request(T, "req-1", "cp-b")
 
     assert await store.start_request(T, "plain", "cp-b")
     plain = await store.lookup_request(T, "plain")

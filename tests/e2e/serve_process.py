@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
 CONTROL_PLANE = re.compile(r"coalesce control plane on (\S+):(\d+)")
 WORKER = re.compile(r"coalesce worker listening on (\S+):(\d+)")
+# The builtin model in float32: these tests compare outputs across batch shapes, which bf16 does not keep equal.
+BUILTIN = ("--model", "builtin", "--dtype", "float32")
 
 
 class CoalesceProcess:
@@ -27,11 +29,13 @@ class CoalesceProcess:
         ready: re.Pattern[str],
         env: dict[str, str] | None = None,
         timeout: float = 120,
+        unset: tuple[str, ...] = (),
     ) -> None:
         self.ready = ready
         cmd = [sys.executable, "-m", "clients.cli", command, "--port", "0", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env.pop("COALESCE_CONFIG", None)
+        for name in ("COALESCE_CONFIG", *unset):
+            full_env.pop(name, None)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)  # fmt: skip
         self.lines: list[str] = []
@@ -78,8 +82,10 @@ class CoalesceProcess:
 class ServeProcess(CoalesceProcess):
     """`coalesce serve --port 0 ...`: control plane and spawned workers."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> None:
-        super().__init__("serve", *args, ready=SERVING, env=env, timeout=timeout)
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 120, unset: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__("serve", *args, ready=SERVING, env=env, timeout=timeout, unset=unset)
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Dedup end to end (DESIGN §4.2-§4.3, §4.9-§4.10): two control-plane processes sharing one real
+"""Dedup end to end (docs/architecture.md, "The dedup decision"): two control-plane processes sharing one real
 redis-server, each driving its own worker process; and `coalesce serve` on the memory store."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from serve_process import CONTROL_PLANE, WORKER, CoalesceProcess, ServeProcess, scrape
+from serve_process import BUILTIN, CONTROL_PLANE, WORKER, CoalesceProcess, ServeProcess, scrape
 
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
@@ -26,7 +26,7 @@ class Replica:
     """A control plane with its own worker (one scheduler session per worker), on a shared store."""
 
     def __init__(self, store: str) -> None:
-        self.worker = CoalesceProcess("worker", "--kv-cache-mb", "32", ready=WORKER)
+        self.worker = CoalesceProcess("worker", *BUILTIN, "--kv-cache-mb", "32", ready=WORKER)
         self.metrics_port = free_port()
         self.cp = CoalesceProcess(
             "control-plane", "--worker", self.worker.address, "--store", store,
@@ -140,7 +140,7 @@ def test_replica_killed_mid_generation_resumes_on_the_other(redis_server: object
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--kv-cache-mb", "32", env={"COALESCE_POOLS__BATCH__MAX_WAIT_MS": "20"})
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "32", env={"COALESCE_POOLS__BATCH__MAX_WAIT_MS": "20"})
     yield server
     server.stop()
 

@@ -1,4 +1,4 @@
-"""`coalesce serve` as a real process, driven through the Python client over gRPC (DESIGN §4)."""
+"""`coalesce serve` as a real process, driven through the Python client over gRPC (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
-from serve_process import ServeProcess, scrape
+from serve_process import BUILTIN, ServeProcess, scrape
 
 from clients.aio import AsyncCoalesceClient
 from clients.client import CoalesceClient
@@ -28,7 +29,7 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def serve() -> Iterator[ServeProcess]:
-    server = ServeProcess("--kv-cache-mb", "64", "--metrics-port", str(METRICS_PORT), env=ENV)
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", "--metrics-port", str(METRICS_PORT), env=ENV)
     yield server
     assert server.stop() == 0, "".join(server.lines[-30:])  # Ctrl-C drains and exits cleanly
 
@@ -182,7 +183,8 @@ def test_empty_prompt_and_oversized_message(serve: ServeProcess) -> None:
 
 
 def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
-    server = ServeProcess("--kv-cache-mb", "64", env=ENV)
+    metrics = free_port()
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", "--metrics-port", str(metrics), env=ENV)
     try:
         work = _workload(8, seed=3)
         opts = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.7, "seed": 5}
@@ -211,6 +213,11 @@ def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
         started = time.monotonic()
         assert asyncio.run(disturbed()) == undisturbed
         server.wait_for_line(r"worker .* lost", timeout=max(1.0, 60 - (time.monotonic() - started)))
+        deadline = time.monotonic() + 60  # the restarted worker is back after several reconnect attempts
+        while sum(" connected: " in line for line in server.lines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lost = [v for k, v in scrape(metrics).items() if k.startswith("coalesce_worker_lost_total{")]
+        assert lost == [1.0]  # one loss, however many reconnect attempts it took
     finally:
         server.stop()
 
@@ -285,11 +292,51 @@ def test_grpcurl_lists_services_by_reflection(serve: ServeProcess) -> None:
     assert "rpc Generate" in described.stdout
 
 
-def test_serve_demo_runs_the_tour() -> None:
-    server = ServeProcess("--kv-cache-mb", "32", "--demo")
+def test_serve_demo_runs_the_tour(smollm2_cache: Path) -> None:
+    """The default model (SmolLM2) answers for real; float32 and the session's converted cache keep it quick."""
+    server = ServeProcess("--kv-cache-mb", "32", "--dtype", "float32", "--cache-dir", str(smollm2_cache), "--demo")
     try:
-        server.wait_for_line(r"\[demo\] done", timeout=120)
+        server.wait_for_line(r"\[demo\] done", timeout=180)
+        assert any("coalesce serving smollm2" in line for line in server.lines)
+        assert any("prompts are chat messages" in line for line in server.lines)
+        assert any(
+            "'What is the capital of France?' -> The capital of France is Paris." in line for line in server.lines
+        )
         assert any("identical to an unbroken run: True" in line for line in server.lines)
         assert any("then replayed" in line for line in server.lines)
     finally:
         assert server.stop() == 0
+
+
+def test_chat_needs_a_chat_template(serve: ServeProcess) -> None:
+    with CoalesceClient(serve.address, retry=NO_RETRY) as client:
+        assert not client.model_info().has_chat_template
+        with pytest.raises(CoalesceError) as err:
+            client.chat([("user", "hi")], max_tokens=2).result()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message == "messages: the served model has no chat template; send text or token_ids"
+
+
+def test_serve_stops_with_one_line_when_the_model_cannot_load(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(40))
+    cmd = [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        str(bad),
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(f"coalesce worker: {bad}: truncated or corrupt GGUF file")
+    assert lines[-1].startswith("coalesce serve: the worker on 127.0.0.1:") and "(its error is above)" in lines[-1]

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from control_plane.dispatcher import GenerationSpec
 from control_plane.generation import Generation
+from control_plane.request import Request
 from control_plane.sequence import Sequence
 from control_plane.telemetry.metrics import GENAI, BusyMeter, Metrics
 from control_plane.telemetry.observer import TelemetryObserver
@@ -22,7 +22,7 @@ MODEL = ("text_completion", "tiny", "interactive")
 
 
 def _run_one(observer: TelemetryObserver) -> Generation:
-    spec = GenerationSpec("r1", "t", [1, 2, 3, 4], 3, "interactive", worker_pb2.WorkerSampling(seed=7))
+    spec = Request("r1", "t", [1, 2, 3, 4], 3, "interactive", worker_pb2.WorkerSampling(seed=7))
     gen = Generation("r1", "t", prompt_tokens=4)
     seq = Sequence(1, "r1", "t", "interactive", [1, 2, 3, 4], 3, arrival=10.0, first_scheduled_at=10.05)
     seq.cached_prompt_tokens = 2
@@ -60,7 +60,7 @@ def test_ttft_with_and_without_queue_itl_and_duration() -> None:
 def test_one_token_request_has_no_time_per_output_token() -> None:
     observer = TelemetryObserver(Metrics(), model="tiny")
     gen = Generation("r2", "t", prompt_tokens=1)
-    spec = GenerationSpec("r2", "t", [1], 1, "batch", worker_pb2.WorkerSampling())
+    spec = Request("r2", "t", [1], 1, "batch", worker_pb2.WorkerSampling())
     observer.on_request(gen, spec, 0.0)
     observer.on_tokens(gen, 1, 0.3)
     observer.on_finish(gen, 0.3)

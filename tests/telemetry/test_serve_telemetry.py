@@ -1,4 +1,4 @@
-"""`coalesce serve` as a real process exporting to a real OTLP receiver and serving /metrics (DESIGN §5).
+"""`coalesce serve` as a real process exporting to a real OTLP receiver and serving /metrics (docs/observability.md).
 
 One server for the module: traces are checked per request by trace id, metrics by the change between two
 scrapes, so the tests do not depend on each other's traffic.
@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.aio import AsyncCoalesceClient
 from protos.coalesce.v1 import inference_pb2, inference_pb2_grpc
-from tests.e2e.serve_process import ServeProcess
+from tests.e2e.serve_process import BUILTIN, ServeProcess
+from tests.session_env import AUTH
 
 pytestmark = pytest.mark.slow
 GENERATE = "coalesce.v1.InferenceService/Generate"
@@ -58,7 +59,7 @@ def served() -> Iterator[Served]:
             "COALESCE_LOG_FORMAT": "json",
             "COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": "20",
         }
-        serve = ServeProcess("--kv-cache-mb", "64", "--metrics-port", str(metrics_port), env=env)
+        serve = ServeProcess(*BUILTIN, "--kv-cache-mb", "64", "--metrics-port", str(metrics_port), env=env)
         try:
             yield Served(serve, receiver, metrics_port)
         finally:
@@ -74,7 +75,9 @@ def generate(
     request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling, idempotency_key=key)
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        chunks = list(stub.Generate(request, metadata=[("traceparent", f"00-{trace_id}-{span_id}-01")], timeout=30))
+        chunks = list(
+            stub.Generate(request, metadata=[AUTH, ("traceparent", f"00-{trace_id}-{span_id}-01")], timeout=30)
+        )
     return trace_id, span_id, chunks
 
 
@@ -151,7 +154,7 @@ def _coalesced(address: str) -> tuple[str, str]:
         sampling = inference_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
         request = inference_pb2.GenerateRequest(text=prompt, sampling=sampling, stream=True)
         with grpc.insecure_channel(address) as channel:
-            for _ in inference_pb2_grpc.InferenceServiceStub(channel).Generate(request, timeout=60):
+            for _ in inference_pb2_grpc.InferenceServiceStub(channel).Generate(request, metadata=[AUTH], timeout=60):
                 started.set()
 
     leader = threading.Thread(target=lead)
@@ -253,7 +256,7 @@ def test_session_generations_get_a_span_each_under_the_session_span(served: Serv
     ]  # fmt: skip
     with grpc.insecure_channel(served.serve.address) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
-        responses = list(stub.Session(iter(requests), metadata=[("traceparent", f"00-{trace_id}-{caller}-01")]))
+        responses = list(stub.Session(iter(requests), metadata=[AUTH, ("traceparent", f"00-{trace_id}-{caller}-01")]))
     assert {r.stream_id for r in responses if r.chunk.finish_reason} == {"a", "b"}
 
     def generations(spans: list[Received]) -> list[Received]:

@@ -17,9 +17,9 @@ from protos.coalesce.v1 import worker_pb2
 from worker.engine import Engine, StepError
 from worker.kv_cache import Int8Store, PlainStore, block_bytes
 from worker.kv_quant import decode_scale, dequantize, quantize, rotation
+from worker.loading import load_model
 from worker.model import SUPPORTED_ARCHITECTURES
 from worker.runner import ModelRunner
-from worker.weights import load_model
 
 W = worker_pb2
 CPU, FP32 = torch.device("cpu"), torch.float32

@@ -16,9 +16,10 @@ import torch
 
 from worker.batch import PackedBatch, SeqSlice
 from worker.builtin import BOS_ID, EOS_ID, byte_tokenizer
+from worker.loaded import ModelLoadError
+from worker.loading import load_model
 from worker.model import SUPPORTED_ARCHITECTURES, ModelConfig
 from worker.runner import ModelRunner
-from worker.weights import load_model
 
 CPU, FP32 = torch.device("cpu"), torch.float32
 BLOCK_SIZE = 16
@@ -164,19 +165,19 @@ def test_unsupported_sliding_window_and_rope(hf: ModuleType) -> None:
 
 
 def test_missing_files_are_clear(tmp_path: Path, hf_checkpoint: Any) -> None:
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(ModelLoadError, match="nowhere"):
         load_model(str(tmp_path / "nowhere"), CPU, FP32)
-    with pytest.raises(FileNotFoundError, match=re.escape("config.json")):
+    with pytest.raises(ModelLoadError, match=re.escape("config.json")):
         load_model(str(tmp_path), CPU, FP32)
     src, _ = hf_checkpoint("Qwen2ForCausalLM")
     (tmp_path / "config.json").write_bytes((src / "config.json").read_bytes())
-    with pytest.raises(FileNotFoundError, match=re.escape("tokenizer.json")):
+    with pytest.raises(ModelLoadError, match=re.escape("tokenizer.json")):
         load_model(str(tmp_path), CPU, FP32)
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ValueError, match=re.escape("not a valid tokenizer.json")):
+    with pytest.raises(ModelLoadError, match=re.escape("not a valid tokenizer.json")):
         load_model(str(tmp_path), CPU, FP32)
     (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
-    with pytest.raises(FileNotFoundError, match=re.escape("model.safetensors")):
+    with pytest.raises(ModelLoadError, match=re.escape("model.safetensors")):
         load_model(str(tmp_path), CPU, FP32)
 
 
@@ -211,7 +212,8 @@ def test_from_settings_sizes_the_cache() -> None:
     from worker.config import WorkerSettings
     from worker.kv_cache import block_bytes
 
-    runner = ModelRunner.from_settings(WorkerSettings(device="cpu", kv_cache_mb=4, block_size=16))
+    settings = WorkerSettings(model="builtin", device="cpu", dtype="float32", kv_cache_mb=4, block_size=16)
+    runner = ModelRunner.from_settings(settings)
     assert (runner.device, runner.dtype, runner.max_context) == (CPU, FP32, 2048)
     per_block = 2 * 4 * 16 * 2 * 32 * 4  # K and V, 4 layers, 16 tokens, 2 KV heads of 32, float32
     assert block_bytes(runner.loaded.config, 16, FP32) == per_block

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import tokenizers
 from conftest_server import Driver, StepSession, WorkerThread
+from grpc_checks import check_standard_services
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -50,6 +51,7 @@ def test_health_and_reflection(channel: grpc.Channel) -> None:
     answers = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     names = {s.name for answer in answers for s in answer.list_services_response.service}
     assert {"coalesce.v1.WorkerService", "grpc.health.v1.Health"} <= names
+    check_standard_services(channel, SERVICE_NAME)
 
 
 def test_info_carries_a_loadable_tokenizer(channel: grpc.Channel) -> None:
@@ -130,7 +132,7 @@ def test_misuse_aborts_the_session_and_the_next_one_works(channel: grpc.Channel,
 def test_run_worker_prints_its_address_and_stops_on_sigterm() -> None:
     code = (
         "from worker.config import WorkerSettings; from worker.server import run_worker; "
-        "run_worker(WorkerSettings(device='cpu', port=0, kv_cache_mb=4))"
+        "run_worker(WorkerSettings(model='builtin', device='cpu', dtype='float32', port=0, kv_cache_mb=4))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

@@ -1,4 +1,5 @@
 from protos.coalesce.v1 import common_pb2 as _common_pb2
+from google.protobuf import any_pb2 as _any_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -71,6 +72,20 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -94,9 +109,10 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "pool", "stream", "request_id", "idempotency_key", "dedup", "model")
+    __slots__ = ("text", "token_ids", "messages", "sampling", "pool", "stream", "request_id", "idempotency_key", "dedup", "model", "resumable")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
@@ -104,8 +120,10 @@ class GenerateRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     DEDUP_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
+    messages: ChatMessages
     sampling: SamplingParams
     pool: Pool
     stream: bool
@@ -113,7 +131,8 @@ class GenerateRequest(_message.Message):
     idempotency_key: str
     dedup: DedupPolicy
     model: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pool: _Optional[_Union[Pool, str]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., dedup: _Optional[_Union[DedupPolicy, str]] = ..., model: _Optional[str] = ...) -> None: ...
+    resumable: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., pool: _Optional[_Union[Pool, str]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., dedup: _Optional[_Union[DedupPolicy, str]] = ..., model: _Optional[str] = ..., resumable: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -186,14 +205,18 @@ class SessionRequest(_message.Message):
     def __init__(self, stream_id: _Optional[str] = ..., generate: _Optional[_Union[SessionGenerate, _Mapping]] = ..., cancel: _Optional[_Union[SessionCancel, _Mapping]] = ..., resume: _Optional[_Union[SessionResume, _Mapping]] = ..., ack: _Optional[_Union[SessionAck, _Mapping]] = ...) -> None: ...
 
 class SessionError(_message.Message):
-    __slots__ = ("code", "message", "reason")
+    __slots__ = ("code", "message", "reason", "details", "generation_continues")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_CONTINUES_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     reason: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    details: _containers.RepeatedCompositeFieldContainer[_any_pb2.Any]
+    generation_continues: bool
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., details: _Optional[_Iterable[_Union[_any_pb2.Any, _Mapping]]] = ..., generation_continues: _Optional[bool] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("stream_id", "chunk", "error")
@@ -308,19 +331,49 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "kv_cache_dtype")
+    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "dtype", "has_chat_template", "kv_cache_dtype", "limits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
     max_context: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     workers: int
+    dtype: str
+    has_chat_template: bool
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    limits: RequestLimits
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+
+class RequestLimits(_message.Message):
+    __slots__ = ("max_request_bytes", "max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_logprobs", "default_max_tokens", "max_request_id_chars", "max_idempotency_key_bytes", "max_batch_items", "resume_grace_s")
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ID_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDEMPOTENCY_KEY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    max_request_bytes: int
+    max_prompt_bytes: int
+    max_stop_strings: int
+    max_stop_bytes: int
+    max_logprobs: int
+    default_max_tokens: int
+    max_request_id_chars: int
+    max_idempotency_key_bytes: int
+    max_batch_items: int
+    resume_grace_s: float
+    def __init__(self, max_request_bytes: _Optional[int] = ..., max_prompt_bytes: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_bytes: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_request_id_chars: _Optional[int] = ..., max_idempotency_key_bytes: _Optional[int] = ..., max_batch_items: _Optional[int] = ..., resume_grace_s: _Optional[float] = ...) -> None: ...

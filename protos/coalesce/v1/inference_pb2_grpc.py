@@ -26,8 +26,10 @@ if _version_not_supported:
 
 
 class InferenceServiceStub:
-    """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    """The public API (docs/api.md). Errors are gRPC status codes with google.rpc details (BadRequest field
+    violations, ErrorInfo with a stable reason, RetryInfo); docs/api.md has the table of codes and reasons.
+    A call whose deadline passes cancels its generation unless the request is resumable (see
+    GenerateRequest.resumable).
     """
 
     def __init__(self, channel):
@@ -79,8 +81,10 @@ class InferenceServiceStub:
 
 
 class InferenceServiceServicer:
-    """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    """The public API (docs/api.md). Errors are gRPC status codes with google.rpc details (BadRequest field
+    violations, ErrorInfo with a stable reason, RetryInfo); docs/api.md has the table of codes and reasons.
+    A call whose deadline passes cancels its generation unless the request is resumable (see
+    GenerateRequest.resumable).
     """
 
     def Generate(self, request, context):
@@ -192,8 +196,10 @@ def add_InferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
-    """The public API. Errors are gRPC status codes with google.rpc details (BadRequest field violations,
-    ErrorInfo with a stable reason, RetryInfo): see DESIGN.md section 3.
+    """The public API (docs/api.md). Errors are gRPC status codes with google.rpc details (BadRequest field
+    violations, ErrorInfo with a stable reason, RetryInfo); docs/api.md has the table of codes and reasons.
+    A call whose deadline passes cancels its generation unless the request is resumable (see
+    GenerateRequest.resumable).
     """
 
     @staticmethod

@@ -12,7 +12,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "kv_cache_dtype", "kv_block_units")
+    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "chat_template", "special_tokens", "kv_cache_dtype", "kv_block_units")
+    class SpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +31,8 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_UNITS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
@@ -37,9 +46,11 @@ class InfoResponse(_message.Message):
     device: str
     tokenizer_json: bytes
     bos_token_id: int
+    chat_template: str
+    special_tokens: _containers.ScalarMap[str, str]
     kv_cache_dtype: str
     kv_block_units: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_block_units: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_block_units: _Optional[int] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
