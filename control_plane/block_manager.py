@@ -9,6 +9,11 @@ by the scheduler's `complete`): otherwise a new request could map KV that is not
 
 Each pool is charged the distinct blocks its sequences hold (a block shared by two pools is charged to
 both), so per-pool quotas are hard limits on memory, not on request counts.
+
+A worker whose KV cache is `auto` (docs/kv_cache.md) has `units` int8-sized blocks; until `to_int8` its blocks
+are model-dtype blocks of `per_block` units each, with ids the multiples of `per_block`. `to_int8` makes every
+unit a block: a block in use or cached keeps its id (the worker converts it in place) and the other units
+join the free list. Block counts (used, free, per pool) are in blocks of the current kind.
 """
 
 from __future__ import annotations
@@ -60,15 +65,19 @@ class Hit:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, block_size: int, per_block: int = 1) -> None:
+        """`num_blocks` ids; with `per_block` > 1 (an auto cache), that many form one block until `to_int8`."""
+        self.units = num_blocks
+        self.per_block = per_block
         self.block_size = block_size
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything (the worker's cache is gone)."""
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free_ids: deque[int] = deque(range(self.num_blocks))
+        """Forget everything (the worker's cache is gone; an auto cache is back in the model's dtype)."""
+        self.stride = self.per_block  # ids one block spans: per_block until to_int8, then 1
+        self.num_blocks = self.units // self.stride
+        self.blocks = [Block(i) for i in range(self.units)]
+        self.free_ids: deque[int] = deque(range(0, self.num_blocks * self.stride, self.stride))
         self.lru: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently freed first
         self.index: dict[int, int] = {}  # hash -> block id
         self.charges: dict[str, dict[int, int]] = {}  # pool -> block id -> sequences of the pool holding it
@@ -132,6 +141,18 @@ class BlockManager:
         return charge, supply
 
     # -- mutations
+    @property
+    def can_switch(self) -> bool:
+        """An auto cache still in the model's dtype: `to_int8` would multiply its capacity by `per_block`."""
+        return self.stride > 1
+
+    def to_int8(self) -> None:
+        """Every unit becomes a block: blocks in use or cached keep their ids, the other units are free."""
+        assert self.can_switch, "the cache is int8 already"
+        whole = self.num_blocks * self.stride
+        self.free_ids.extend(u for u in range(self.units) if u % self.stride or u >= whole)
+        self.stride, self.num_blocks = 1, self.units
+
     def allocate(self, seq: Sequence, hit: Hit, total: int) -> list[tuple[int, int]]:
         """Give `seq` a table of `total` blocks starting with `hit`; returns the (src, dst) copies to do first."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"

@@ -17,6 +17,10 @@ stop token, a stop string or cancel), N+1's token is wasted: its result is dropp
 sequence that finished, was preempted or lost its worker meanwhile (`Work.current`). Prefix-cache hashes are
 still published only at `complete`, once the KV is written.
 
+An `auto` KV cache (docs/kv_cache.md): when a block allocation does not fit (after evicting cached blocks), the
+whole cache converts to int8 in the plan being made (`StepPlan.kv_to_int8`), which multiplies the blocks and
+quotas by the worker's kv_block_units; only if that is not enough does a decode preempt (or an admission wait).
+
 Releases: a sequence the worker knows is released exactly once, in the `release` list of a plan, when it
 finishes, is aborted or is preempted. A preempted sequence keeps its seq id: it is released in the plan
 that preempts it and sent again (first sight, full re-prefill of prompt + outputs) only in a later plan,
@@ -51,6 +55,7 @@ class Stats:
     kv_free: int  # free + cached (evictable)
     kv_cached: int
     kv_by_pool: dict[str, int]
+    kv_int8: bool  # an auto cache has converted to int8 (block counts are int8 blocks from then on)
     prefix_queries: int  # tokens
     prefix_hits: int  # tokens
     load: float  # in [0, 1], for routing
@@ -65,14 +70,16 @@ class Scheduler:
         settings: SchedulerSettings,
         max_context: int,
         clock: Callable[[], float],
+        kv_block_units: int = 1,
     ) -> None:
-        self.bm = BlockManager(num_blocks, block_size)
+        """`kv_block_units` > 1: the worker's cache is auto (its InfoResponse.kv_block_units)."""
+        self.bm = BlockManager(num_blocks, block_size, kv_block_units)
         self.block_size = block_size
         self.settings = settings
         self.max_context = max_context
         self.clock = clock
         self.pools: dict[str, PoolSettings] = {"interactive": pools.interactive, "batch": pools.batch}
-        self.quota = {p: int(s.kv_share * num_blocks) for p, s in self.pools.items()}
+        self.quota = self._quotas(self.bm.num_blocks)
         self.waiting: dict[str, deque[Sequence]] = {p: deque() for p in POOLS}
         self.running: dict[str, list[Sequence]] = {p: [] for p in POOLS}  # admission order, oldest first
         self.seqs: dict[int, Sequence] = {}  # waiting and running
@@ -93,7 +100,7 @@ class Scheduler:
         if seq.num_tokens >= self.max_context:
             raise TooLarge(f"{seq.num_tokens} tokens leave no room to generate within {self.max_context}")
         kv = min(seq.num_tokens + seq.max_tokens - len(seq.output_ids) - 1, self.max_context - 1)
-        need, room = -(-kv // self.block_size), min(self.quota[seq.pool], self.bm.num_blocks)
+        need, room = -(-kv // self.block_size), min(self._quotas(self.bm.units)[seq.pool], self.bm.units)
         if need > room:
             raise TooLarge(f"{need} KV blocks needed, the {seq.pool} pool may hold {room}")
         pool, queue = self.pools[seq.pool], self.waiting[seq.pool]
@@ -132,6 +139,7 @@ class Scheduler:
             for seq in queue:
                 seq.on_worker = False
         self.bm.reset()
+        self.quota = self._quotas(self.bm.num_blocks)
         return requeued
 
     # -- state
@@ -158,6 +166,7 @@ class Scheduler:
             self.bm.num_available,
             self.bm.num_cached,
             {p: self.bm.used_by(p) for p in POOLS},
+            self.bm.stride < self.bm.per_block,
             self.bm.queries,
             self.bm.hits,
             self.load(),
@@ -219,6 +228,8 @@ class Scheduler:
         new: list[int] = []
         if self.bm.slots_needed(seq, 1):
             while not self._fits(seq.pool, 1, 1):
+                if self._to_int8(plan):
+                    continue
                 victim = pick_victim(seq, order, step.done, quota=self.bm.used_by(seq.pool) + 1 > self.quota[seq.pool])
                 self._preempt(victim or seq, plan, step)
                 if victim is None:
@@ -251,6 +262,18 @@ class Scheduler:
 
     def _fits(self, pool: str, charge: int, supply: int) -> bool:
         return self.bm.used_by(pool) + charge <= self.quota[pool] and supply <= self.bm.num_available
+
+    def _quotas(self, num_blocks: int) -> dict[str, int]:
+        return {p: int(s.kv_share * num_blocks) for p, s in self.pools.items()}
+
+    def _to_int8(self, plan: StepPlan) -> bool:
+        """Blocks ran short: convert an auto cache to int8 in this plan. False: nothing to convert."""
+        if not self.bm.can_switch:
+            return False
+        self.bm.to_int8()
+        self.quota = self._quotas(self.bm.num_blocks)
+        plan.kv_to_int8 = True
+        return True
 
     def _prefill(self, seq: Sequence, plan: StepPlan, step: StepState, n: int, new: list[int] | None = None) -> None:
         step.done.add(seq.seq_id)
@@ -289,7 +312,8 @@ class Scheduler:
                     seq.skipped = True
                     continue
                 total = -(-len(tokens) // self.block_size)
-                if not self._fits(p, *self.bm.cost(hit, total, p)):
+                cost = self.bm.cost(hit, total, p)
+                if not self._fits(p, *cost) and not (self._to_int8(plan) and self._fits(p, *cost)):
                     break  # no room for the head: nothing behind it jumps ahead
                 queue.remove(seq)
                 self._start(seq, hit.tokens, now, plan)

@@ -156,6 +156,7 @@ class InferenceService(inference_pb2_grpc.InferenceServiceServicer):
             vocab_size=info.vocab_size,
             max_context=info.max_context,
             eos_token_ids=info.eos_token_ids,
+            kv_cache_dtype=info.kv_cache_dtype,
             workers=sum(link.connected.is_set() for link in self.dispatcher.links),
             dtype=info.dtype,
             has_chat_template=bool(info.chat_template),

@@ -36,7 +36,7 @@ class Work:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step. The worker applies `release` first, then `copies`, then runs `works`.
+    """One step. The worker applies `release` first, then `kv_to_int8`, then `copies`, then runs `works`.
 
     `admitted` lists sequences scheduled for the first time (their dwell is now known); `preempted` those
     this step preempted for recompute.
@@ -48,13 +48,14 @@ class StepPlan:
     works: list[Work] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_to_int8: bool = False  # convert the worker's auto KV cache to int8 (block ids stay valid)
 
     @property
     def num_tokens(self) -> int:
         return sum(w.num_tokens for w in self.works)
 
     def to_request(self, step_id: int) -> worker_pb2.StepRequest:
-        req = worker_pb2.StepRequest(step_id=step_id, release=self.release)
+        req = worker_pb2.StepRequest(step_id=step_id, release=self.release, kv_to_int8=self.kv_to_int8)
         for src, dst in self.copies:
             req.copies.add(src=src, dst=dst)
         for w in self.works:

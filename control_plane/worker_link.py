@@ -104,15 +104,18 @@ class WorkerLink:
 
     async def _connect(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         info = await stub.Info(worker_pb2.InfoRequest(), timeout=10, metadata=self._metadata)
-        geometry = (info.num_blocks, info.block_size, info.max_context)
+        geometry = (info.num_blocks, info.block_size, info.max_context, info.kv_block_units)
         replaced = self.info is not None and geometry != (
             self.info.num_blocks,
             self.info.block_size,
             self.info.max_context,
+            self.info.kv_block_units,
         )
         if self.scheduler is None or replaced:
             pools, sched = self.settings.pools, self.settings.scheduler
-            self.scheduler = Scheduler(info.num_blocks, info.block_size, pools, sched, info.max_context, self.clock)
+            self.scheduler = Scheduler(
+                info.num_blocks, info.block_size, pools, sched, info.max_context, self.clock, info.kv_block_units or 1
+            )
         self.info = info
         self.connected.set()
         log.info("worker %s connected: %s, %d KV blocks", self.address, info.model_name, info.num_blocks)

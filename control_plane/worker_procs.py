@@ -41,6 +41,8 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         settings.dtype,
         "--kv-cache-mb",
         str(settings.kv_cache_mb),
+        "--kv-cache-dtype",
+        settings.kv_cache_dtype,
         "--block-size",
         str(settings.block_size),
         "--cache-dir",

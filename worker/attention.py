@@ -5,17 +5,34 @@ sequence's new queries attend causally over its whole cached context, read throu
 Single-token sequences (decodes) are attended in one batched gather + masked SDPA call; longer ones (prefill
 chunks) one sequence at a time. Reads gather whole blocks (contiguous rows, far cheaper than gathering slot
 by slot) and mask what lies past each sequence. Index tensors are built once per step (`build_metadata`) and
-reused by every layer.
+reused by every layer. The stores (worker/kv_cache.py) hide the cache's dtype: an int8 store quantizes what is
+written and dequantizes the blocks it gathers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from worker.batch import PackedBatch, SeqSlice
+from worker.kv_quant import rotate
+
+
+class KVStore(Protocol):
+    """K or V of one layer in the paged cache (the stores of worker/kv_cache.py)."""
+
+    @property
+    def rotation(self) -> torch.Tensor | None:
+        """The [D, D] rotation the store keeps its vectors in (queries and outputs must match), or None."""
+
+    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """x: [T, KV, D] into rows `slots` (block * block_size + offset)."""
+
+    def read(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The blocks' vectors, [len(blocks), block_size, KV, D], in the model's dtype."""
 
 
 @dataclass(slots=True)
@@ -62,8 +79,10 @@ def build_metadata(
     sliding_window: int | None,
     device: torch.device,
     dtype: torch.dtype = torch.float32,
+    block_div: int = 1,
 ) -> AttentionMetadata:
-    """Slot indices and masks of one step, computed on the CPU and moved to `device` once."""
+    """Slot indices and masks of one step, computed on the CPU and moved to `device` once. Block ids are
+    divided by `block_div` to index the stores (an auto cache still in the model's dtype)."""
     offsets = torch.arange(block_size)
     new_slots: list[int] = []
     prefills: list[Prefill] = []
@@ -80,9 +99,9 @@ def build_metadata(
         if s.num_tokens == 1:
             dec_rows.append(row)
             dec_seqs.append(s)
-            new_slots.append(s.block_table[s.start // block_size] * block_size + s.start % block_size)
+            new_slots.append(s.block_table[s.start // block_size] // block_div * block_size + s.start % block_size)
         else:
-            table = torch.tensor(s.block_table[: -(-end // block_size)])
+            table = torch.tensor(s.block_table[: -(-end // block_size)]) // block_div
             slots = (table[:, None] * block_size + offsets).flatten()
             mask = _mask(torch.arange(s.start, end), len(slots), sliding_window, dtype)
             prefills.append(Prefill(row, s.num_tokens, table.to(device), mask[None, None].to(device)))
@@ -97,7 +116,7 @@ def build_metadata(
     if dec_seqs:
         used = [s.block_table[: s.start // block_size + 1] for s in dec_seqs]
         nblocks = max(len(u) for u in used)
-        tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64)
+        tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64) // block_div
         mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
         rows = torch.tensor(dec_rows).to(device)
         decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
@@ -108,18 +127,28 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: KVStore,
+    v_cache: KVStore,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KV, D]; caches: [blocks, block_size, KV, D]. Returns [T, H * D]."""
-    t, heads, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    k_flat, v_flat = k_cache.view(-1, kv_heads, dim), v_cache.view(-1, kv_heads, dim)
-    k_flat.index_copy_(0, meta.slots, k)
-    v_flat.index_copy_(0, meta.slots, v)
+    """q: [T, H, D]; k, v: [T, KV, D]; caches: stores of [blocks, block_size, KV, D]. Returns [T, H * D]."""
+    k_cache.write(meta.slots, k)
+    v_cache.write(meta.slots, v)
+    rotation = k_cache.rotation
+    if rotation is None:
+        return _over_cache(q, k.shape[1], k_cache, v_cache, meta)
+    # Int8 stores hold K and V rotated (worker/kv_quant.py): q·k = (qR)·(kR), and attention over rotated
+    # values gives rotated outputs, so rotating the queries and the outputs is all it takes.
+    out = _over_cache(rotate(q, rotation), k.shape[1], k_cache, v_cache, meta)
+    return rotate(out.view(q.shape), rotation.T).view(out.shape)
 
+
+def _over_cache(
+    q: torch.Tensor, kv_heads: int, k_cache: KVStore, v_cache: KVStore, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Each sequence's queries over its cached K/V (this step's included); [T, H * D]."""
+    t, heads, dim = q.shape
+    group = heads // kv_heads
     out = q.new_empty(t, heads, dim)
     if meta.decode is not None:
         d = meta.decode
@@ -127,8 +156,8 @@ def attend(
         # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
         qd = (q if not meta.prefills else q[d.rows]).view(-1, kv_heads, group, dim)
         num = qd.shape[0]
-        keys = k_cache.index_select(0, d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
-        values = v_cache.index_select(0, d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+        keys = k_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+        values = v_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
         if not meta.prefills:
             return od.reshape(t, heads * dim)
@@ -136,8 +165,8 @@ def attend(
     for p in meta.prefills:
         # Repeat each KV head for its query heads (as transformers' repeat_kv): [1, H, L, dim].
         length = p.mask.shape[-1]
-        keys = k_cache.index_select(0, p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
-        values = v_cache.index_select(0, p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
+        keys = k_cache.read(p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
+        values = v_cache.read(p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
         keys, values = keys.reshape(length, heads, dim), values.reshape(length, heads, dim)
         rows = slice(p.first_row, p.first_row + p.num_tokens)
         qp = q[rows].transpose(0, 1)[None]

@@ -31,6 +31,10 @@ class WorkerSettings(BaseModel):
     # KV cache budget in MiB; 0 means a fraction (kv_cache_fraction) of free memory on CUDA, 256 MiB on CPU.
     kv_cache_mb: int = Field(default=0, ge=0)
     kv_cache_fraction: float = Field(default=0.8, gt=0, le=0.95)
+    # What the KV cache holds: "model" (the model's dtype), "int8" (about half the bytes of bfloat16, a
+    # quarter of float32), or "auto": the model's dtype until the scheduler runs short of blocks, then the
+    # whole cache converts to int8 instead of preempting (docs/kv_cache.md).
+    kv_cache_dtype: Literal["model", "int8", "auto"] = "model"
     # Tokens per KV block.
     block_size: int = Field(default=16, ge=1, le=1024)
     # Seed of the built-in model's weights.

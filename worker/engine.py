@@ -16,6 +16,9 @@ Step protocol, as enforced here (all positions are absolute token positions in t
   chunk); an unfed sampled token is then dropped.
 - After `new_blocks` are appended, the table must cover every fed position (len * block_size > last
   position), every position must be < max_context, block ids < num_blocks, token ids < vocab size.
+- `kv_to_int8` (only for an `auto` cache still in the model's dtype) converts the cache to int8 after the
+  release, before the copies; block ids are checked against the cache as it will be for the forward pass: in
+  an auto cache still in the model's dtype, a block id must be a multiple of kv_block_units.
 - `copies` run before the forward pass, after validation.
 - With `sample=true` the token sampled becomes the sequence's next input; its noise position is the
   number of tokens in the cache after this step (the position the token will take).
@@ -70,6 +73,11 @@ def _random_seed() -> int:
     return secrets.randbits(63) + 1
 
 
+def kv_dtype_name(kv_dtype: str, dtype: torch.dtype) -> str:
+    """What InfoResponse.kv_cache_dtype says: "int8", "auto", or the model's dtype (e.g. "bfloat16")."""
+    return str(dtype).removeprefix("torch.") if kv_dtype == "model" else kv_dtype
+
+
 class Engine:
     """Owns a ModelRunner and the sequences of the current session. Thread-safe: one step at a time."""
 
@@ -87,9 +95,11 @@ class Engine:
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        """Forget every sequence (a new scheduler session); the cache contents become meaningless."""
+        """Forget every sequence (a new scheduler session); the cache contents become meaningless (an auto
+        cache returns to the model's dtype)."""
         with self._lock:
             self.seqs.clear()
+            self.runner.cache.reset()
 
     def info(self) -> worker_pb2.InfoResponse:
         r, loaded = self.runner, self.runner.loaded
@@ -107,6 +117,8 @@ class Engine:
             bos_token_id=-1 if loaded.bos_token_id is None else loaded.bos_token_id,
             chat_template=loaded.chat_template,
             special_tokens=loaded.special_tokens,
+            kv_cache_dtype=kv_dtype_name(r.cache.kv_dtype, r.dtype),
+            kv_block_units=r.cache.units,
         )
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
@@ -115,16 +127,24 @@ class Engine:
 
     def _step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         t0 = self.clock()
+        cache = self.runner.cache
+        if req.kv_to_int8 and not cache.can_switch:
+            what = "has already converted" if cache.int8 else f"is {kv_dtype_name(cache.kv_dtype, cache.dtype)}"
+            raise StepError(None, f"kv_to_int8 needs an auto KV cache in the model's dtype; this one {what}")
+        div = 1 if req.kv_to_int8 else cache.block_div
         released = set(req.release)
-        plan = [self._plan(work, released) for work in self._unique(req)]
+        plan = [self._plan(work, released, div) for work in self._unique(req)]
         pairs = [(c.src, c.dst) for c in req.copies]
         for src, dst in pairs:
-            if src >= self.runner.num_blocks or dst >= self.runner.num_blocks:
-                raise StepError(None, f"block copy {src} -> {dst} out of range [0, {self.runner.num_blocks})")
+            problem = self._bad_block(src, div) or self._bad_block(dst, div)
+            if problem:
+                raise StepError(None, f"block copy {src} -> {dst}: {problem}")
 
         # Valid: from here on state changes.
         for seq_id in released:
             self.seqs.pop(seq_id, None)
+        if req.kv_to_int8:
+            self.runner.kv_to_int8()
         if pairs:
             self.runner.copy_blocks(pairs)
         resp = worker_pb2.StepResponse(step_id=req.step_id)
@@ -145,7 +165,15 @@ class Engine:
             seen.add(work.seq_id)
         return list(req.seqs)
 
-    def _plan(self, work: worker_pb2.SequenceWork, released: set[int]) -> _Planned:
+    def _bad_block(self, block: int, div: int) -> str | None:
+        """Why `block` cannot be used this step (None: it can); `div` is the cache's block_div for the step."""
+        if block >= self.runner.num_blocks:
+            return f"block {block} out of range [0, {self.runner.num_blocks})"
+        if block % div:
+            return f"block {block} is not a multiple of {div} (the auto KV cache holds the model's dtype)"
+        return None
+
+    def _plan(self, work: worker_pb2.SequenceWork, released: set[int], div: int) -> _Planned:
         seq_id = work.seq_id
         state = None if seq_id in released else self.seqs.get(seq_id)
         tokens = list(work.token_ids)
@@ -167,10 +195,11 @@ class Engine:
                     raise StepError(seq_id, "decode without a sampled token (the last step did not sample it)")
                 tokens = [state.next_token]
         start, end = work.start_position, work.start_position + len(tokens)
-        num_blocks, block_size = self.runner.num_blocks, self.runner.block_size
+        block_size = self.runner.block_size
         for b in work.new_blocks:
-            if b >= num_blocks:
-                raise StepError(seq_id, f"block {b} out of range [0, {num_blocks})")
+            problem = self._bad_block(b, div)
+            if problem:
+                raise StepError(seq_id, problem)
         table = table + list(work.new_blocks)
         if end > self.runner.max_context:
             raise StepError(seq_id, f"context overflow: position {end - 1} >= max context {self.runner.max_context}")

@@ -7,6 +7,7 @@ cache (see worker.attention). Module names are our own; worker.weights maps Hugg
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.attention import AttentionMetadata, attend
+from worker.attention import AttentionMetadata, KVStore, attend
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -157,7 +158,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[KVStore, KVStore],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -192,7 +193,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[KVStore, KVStore],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, cache, meta)
@@ -218,7 +219,7 @@ class Transformer(nn.Module):
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        caches: Sequence[tuple[KVStore, KVStore]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens; writes their K/V into `caches`."""

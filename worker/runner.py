@@ -13,7 +13,7 @@ from worker.attention import build_metadata
 from worker.batch import PackedBatch
 from worker.config import WorkerSettings
 from worker.device import resolve_device, resolve_dtype
-from worker.kv_cache import KVCache, blocks_for_budget, budget_bytes
+from worker.kv_cache import KVCache, KVDtype, blocks_for_budget, budget_bytes
 from worker.loaded import LoadedModel
 from worker.loading import load_model
 from worker.model import Transformer
@@ -21,7 +21,13 @@ from worker.model import Transformer
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: KVDtype = "model",
     ) -> None:
         if not isinstance(loaded.model, Transformer):
             raise TypeError(f"expected a worker.model.Transformer, got {type(loaded.model).__name__}")
@@ -29,7 +35,7 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = device, dtype
         self.max_context = loaded.config.max_position_embeddings
-        self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype)
+        self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype, kv_dtype)
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ModelRunner:
@@ -39,14 +45,16 @@ class ModelRunner:
         cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
         loaded = load_model(settings.model, device, dtype, settings.builtin_seed, cache_dir)
         budget = budget_bytes(settings, device)
-        num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget)
-        return cls(loaded, num_blocks, settings.block_size, device, dtype)
+        kv = settings.kv_cache_dtype
+        num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget, kv)
+        return cls(loaded, num_blocks, settings.block_size, device, dtype, kv)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:
         """Float32 logits of each sequence's last new token ([num_seqs, vocab], in `batch.seqs` order), or of
         every new token ([T, vocab]) when `all_logits`."""
-        meta = build_metadata(batch, self.block_size, self.loaded.config.sliding_window, self.device, self.dtype)
+        window = self.loaded.config.sliding_window
+        meta = build_metadata(batch, self.block_size, window, self.device, self.dtype, self.cache.block_div)
         model = self.model
         tokens = batch.token_ids.to(self.device, non_blocking=True)
         positions = batch.positions.to(self.device, non_blocking=True)
@@ -64,3 +72,8 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's K/V into block dst, for each (src, dst)."""
         self.cache.copy_blocks(pairs)
+
+    @torch.inference_mode()
+    def kv_to_int8(self) -> None:
+        """Convert an auto cache to int8 in place (every block keeps its id)."""
+        self.cache.to_int8()

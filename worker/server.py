@@ -81,7 +81,8 @@ def _startup_lines(settings: WorkerSettings, engine: Engine, port: int) -> list[
     info = engine.info()
     lines = [
         f"coalesce worker listening on {settings.host}:{port} "
-        f"(model {info.model_name}, device {info.device}, dtype {info.dtype}, {info.num_blocks} KV blocks)"
+        f"(model {info.model_name}, device {info.device}, dtype {info.dtype}, {info.num_blocks} KV blocks, "
+        f"KV {info.kv_cache_dtype})"
     ]
     if info.model_name == "builtin":
         lines.append(BUILTIN_NOTE)

@@ -99,6 +99,7 @@ class Snapshot:
     worker: str
     stats: Stats
     busy: float
+    kv_dtype: str = ""  # what the worker's KV cache holds now: the model's dtype or "int8"
 
 
 class SchedulerCollector(Collector):
@@ -144,7 +145,12 @@ class SchedulerCollector(Collector):
         busy = GaugeMetricFamily("coalesce_worker_busy_fraction",
                                  "Fraction of wall time the worker spent in forward passes (last ~10 s)",
                                  labels=["worker"])  # fmt: skip
+        kv_dtype = GaugeMetricFamily("coalesce_kv_cache_dtype", "1 for the dtype the worker's KV cache holds now "
+                                     "(the model's, or int8 once an auto cache converted)",
+                                     labels=["worker", "dtype"])  # fmt: skip
         for s in snaps:
+            if s.kv_dtype:
+                kv_dtype.add_metric([s.worker, s.kv_dtype], 1)
             for pool, n in s.stats.running.items():
                 running.add_metric([s.worker, pool], n)
             for pool, n in s.stats.waiting.items():
@@ -154,7 +160,7 @@ class SchedulerCollector(Collector):
             queries.add_metric([s.worker], s.stats.prefix_queries)
             hits.add_metric([s.worker], s.stats.prefix_hits)
             busy.add_metric([s.worker], s.busy)
-        yield from (running, waiting, used, free, queries, hits, busy)
+        yield from (running, waiting, used, free, queries, hits, busy, kv_dtype)
 
 
 def serve_metrics(metrics: Metrics, port: int, host: str) -> Callable[[], None]:

@@ -41,6 +41,13 @@ DEDUP_OUTCOMES = {
 }
 
 
+def kv_dtype(info: worker_pb2.InfoResponse | None, converted: bool) -> str:
+    """What a worker's KV cache holds now: "int8", or the model's dtype ("" before its Info)."""
+    if info is None:
+        return ""
+    return "int8" if converted or info.kv_cache_dtype == "int8" else info.dtype
+
+
 def finish_name(reason: int) -> str:
     """FINISH_REASON_STOP -> "stop"."""
     return inference_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
@@ -107,11 +114,13 @@ class TelemetryObserver(Observer):
 
     def snapshot(self) -> list[Snapshot]:
         now = self.clock()
-        return [
-            Snapshot(link.address, link.scheduler.stats(), self._meter(link.address, now).fraction(now))
-            for link in self._links
-            if link.scheduler is not None
-        ]
+        snaps = []
+        for link in self._links:
+            if link.scheduler is not None:
+                stats = link.scheduler.stats()
+                busy = self._meter(link.address, now).fraction(now)
+                snaps.append(Snapshot(link.address, stats, busy, kv_dtype(link.info, stats.kv_int8)))
+        return snaps
 
     def _meter(self, worker: str, now: float) -> BusyMeter:
         meter = self._busy.get(worker)

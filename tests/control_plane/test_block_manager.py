@@ -103,3 +103,34 @@ def test_pool_charges_count_distinct_blocks() -> None:
     bm.free(a)
     bm.free(b)
     assert bm.used_by("interactive") == 0 and bm.num_used == 0
+
+
+def test_auto_cache_hands_out_model_blocks_then_every_unit_after_to_int8() -> None:
+    bm = BlockManager(18, 4, per_block=4)  # 4 model-dtype blocks of 4 units; units 16 and 17 wait for int8
+    assert (bm.num_blocks, bm.num_free, bm.can_switch) == (4, 4, True)
+    a = seq(1, list(range(9)))
+    admit(bm, a)
+    assert all(b % 4 == 0 for b in a.block_table) and (bm.num_used, bm.num_free) == (3, 1)
+    bm.to_int8()
+    assert not bm.can_switch and (bm.num_blocks, bm.num_used, bm.num_free) == (18, 3, 15)
+    b = seq(2, [7] * 12)
+    admit(bm, b)
+    assert not set(a.block_table) & set(b.block_table) and bm.used_by("interactive") == 6
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_available == 18
+    bm.reset()  # a new worker session starts in the model's dtype again
+    assert (bm.num_blocks, bm.num_free, list(bm.free_ids)) == (4, 4, [0, 4, 8, 12])
+
+
+def test_prefix_hits_and_copy_on_write_on_converted_blocks() -> None:
+    bm = BlockManager(16, 4, per_block=2)
+    a = seq(1, list(range(8)))
+    admit(bm, a)  # two full model-dtype blocks, published
+    bm.to_int8()  # converted in place: same ids, still indexed
+    hit = bm.match(list(range(8)), "t")
+    assert hit.blocks == a.block_table and hit.copy  # the last token is recomputed into a copy
+    b = seq(2, list(range(8)))
+    copies = bm.allocate(b, hit, 2)
+    assert b.block_table[0] == a.block_table[0] and copies == [(a.block_table[1], b.block_table[1])]
+    assert bm.blocks[a.block_table[0]].ref == 2 and bm.blocks[a.block_table[1]].ref == 1

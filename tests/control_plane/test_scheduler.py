@@ -30,6 +30,7 @@ def make(
     shares: tuple[float, float] = (0.4, 0.6),
     max_queue: int = 100,
     max_context: int = 4096,
+    kv_units: int = 1,
 ) -> tuple[Scheduler, Clock]:
     pools = PoolsSettings(
         interactive=PoolSettings(max_batch=max_batch[0], max_wait_ms=wait_ms[0], kv_share=shares[0], stream=True),
@@ -39,7 +40,7 @@ def make(
     )
     clock = Clock()
     settings = SchedulerSettings(max_step_tokens=budget, prefill_ratio=ratio)
-    return Scheduler(num_blocks, block_size, pools, settings, max_context, clock), clock
+    return Scheduler(num_blocks, block_size, pools, settings, max_context, clock, kv_units), clock
 
 
 _ids = iter(range(1, 1_000_000))

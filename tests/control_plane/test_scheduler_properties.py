@@ -55,11 +55,16 @@ class Clock:
 
 
 class FakeWorker:
-    """Applies StepRequests like worker/engine.py does and checks every fed and attended position."""
+    """Applies StepRequests like worker/engine.py does and checks every fed and attended position.
 
-    def __init__(self, num_blocks: int, block_size: int, max_context: int) -> None:
+    With `units` > 1 it is an auto cache: until a request says kv_to_int8, every block id must be a multiple of
+    `units` that leaves room for the whole model-dtype block; the conversion keeps each block's contents under
+    its id and leaves the other units holding nothing."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_context: int, units: int = 1) -> None:
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
-        self.bs, self.max_context = block_size, max_context
+        self.bs, self.max_context, self.units = block_size, max_context, units
+        self.converted = False
         self.seqs: dict[int, dict] = {}  # seq_id -> table, cached, next
         self.released: Counter[int] = Counter()
 
@@ -69,6 +74,12 @@ class FakeWorker:
             assert sid in self.seqs, f"release of seq {sid} the worker does not know"
             del self.seqs[sid]
             self.released[sid] += 1
+        if req.kv_to_int8:
+            assert self.units > 1 and not self.converted, "kv_to_int8 twice, or on a cache that cannot convert"
+            self.converted = True
+        stride = 1 if self.converted else self.units
+        ids = [b for w in req.seqs for b in w.new_blocks] + [b for c in req.copies for b in (c.src, c.dst)]
+        assert all(b % stride == 0 and b + stride <= len(self.kv) for b in ids), f"bad block id for stride {stride}"
         for c in req.copies:
             self.kv[c.dst] = list(self.kv[c.src])
         fed = []
@@ -111,9 +122,12 @@ def check(s: Scheduler, plan: StepPlan | None = None) -> None:
     bm = s.bm
     running = [q for p in POOLS for q in s.running[p]]
     refs = Counter(b for q in running for b in q.block_table)
+    block_ids = set(range(0, bm.num_blocks * bm.stride, bm.stride))  # the ids that are blocks now
     for blk in bm.blocks:
         assert blk.ref == refs[blk.id], f"block {blk.id}: ref {blk.ref} != {refs[blk.id]} tables"
-        if blk.ref == 0:
+        if blk.id not in block_ids:  # a unit inside a model-dtype block
+            assert blk.ref == 0 and blk.id not in bm.lru and blk.id not in bm.free_ids and blk.hash is None
+        elif blk.ref == 0:
             assert (blk.id in bm.lru) != (blk.id in bm.free_ids)
             assert (blk.id in bm.lru) == (blk.hash is not None)
     assert len(bm.free_ids) + len(bm.lru) + sum(1 for b in bm.blocks if b.ref) == bm.num_blocks
@@ -168,9 +182,18 @@ op = st.one_of(
     shares=st.sampled_from([(0.4, 0.6), (0.5, 0.5), (0.7, 0.7)]),
     seed=st.integers(0, 2**16),
     depth=st.sampled_from([1, 2]),  # plans in flight: without or with the lookahead
+    units=st.sampled_from([1, 1, 2, 4]),  # an auto KV cache: int8 blocks per model-dtype block
 )
 def test_random_load_keeps_invariants_and_drains(
-    ops: list[tuple], num_blocks: int, block_size: int, budget: int, ratio: float, shares: tuple, seed: int, depth: int
+    ops: list[tuple],
+    num_blocks: int,
+    block_size: int,
+    budget: int,
+    ratio: float,
+    shares: tuple,
+    seed: int,
+    depth: int,
+    units: int,
 ) -> None:
     rng = random.Random(seed)
     clock = Clock()
@@ -186,8 +209,9 @@ def test_random_load_keeps_invariants_and_drains(
         SchedulerSettings(max_step_tokens=budget, prefill_ratio=ratio),
         max_context,
         clock,
+        units,
     )
-    worker = FakeWorker(num_blocks, block_size, max_context)
+    worker = FakeWorker(num_blocks, block_size, max_context, units)
     families = [[rng.randrange(VOCAB) for _ in range(70)] for _ in range(3)]
     seqs: list[Sequence] = []
     step_id = copies = dropped = 0
@@ -271,7 +295,7 @@ def test_random_load_keeps_invariants_and_drains(
             assert all(q.status is Status.WAITING and not q.block_table for q in requeued)
             while queue:  # the lost worker's steps: their results, should they come, are ignored
                 assert s.complete(queue.popleft()[0], {}) == []
-            worker = FakeWorker(num_blocks, block_size, max_context)
+            worker = FakeWorker(num_blocks, block_size, max_context, units)
             check(s)
 
     for _ in range(2000):  # drain: every sequence must finish
@@ -283,12 +307,13 @@ def test_random_load_keeps_invariants_and_drains(
             clock.t = max(clock.t, wake)
     assert not s.has_work(), "did not drain"
     event(f"preempted: {sum(q.preemptions for q in seqs) > 0}")
+    event(f"units {units}, converted to int8: {worker.converted}")
     event(f"prefix hits: {s.bm.hits > 0}")
     event(f"copy-on-write: {copies > 0}")
     event(f"steps > 20: {step_id > 20}")
     event(f"depth {depth}, results dropped: {dropped > 0}")
     assert not worker.seqs, "the worker still holds sequences nobody released"
-    assert all(b.ref == 0 for b in s.bm.blocks) and s.bm.num_available == num_blocks
+    assert all(b.ref == 0 for b in s.bm.blocks) and s.bm.num_available == s.bm.num_blocks
     for q in seqs:
         assert q.status is Status.FINISHED
         want = expected(q, max_context)

@@ -193,7 +193,7 @@ SERIES = [
     "coalesce_kv_blocks_free", "coalesce_prefix_cache_query_tokens_total", "coalesce_prefix_cache_hit_tokens_total",
     "coalesce_dedup_total", "coalesce_preemptions_total", "coalesce_worker_busy_fraction", "coalesce_requests_total",
     "coalesce_worker_lost_total", "coalesce_steps_total", "coalesce_step_forward_seconds_total",
-    "coalesce_step_loop_seconds_total",
+    "coalesce_step_loop_seconds_total", "coalesce_kv_cache_dtype",
 ]  # fmt: skip
 
 
@@ -234,6 +234,8 @@ def test_metrics_during_and_after_a_load(served: Served) -> None:
     assert delta["coalesce_step_loop_seconds_total"] >= delta["coalesce_step_forward_seconds_total"]
     assert delta["coalesce_prefix_cache_query_tokens_total"] > 0
     assert _total(after, "coalesce_kv_blocks_used") + _total(after, "coalesce_kv_blocks_free") > 0
+    kv_dtype = {k: v for k, v in after.items() if k.startswith("coalesce_kv_cache_dtype{")}
+    assert kv_dtype and all('dtype="float32"' in k and v == 1 for k, v in kv_dtype.items())  # the default cache
     assert 0 < _total(during[0], "coalesce_worker_busy_fraction") <= 1
     assert _total(after, "coalesce_running_sequences") == _total(after, "coalesce_waiting_sequences") == 0
 

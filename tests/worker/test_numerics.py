@@ -217,7 +217,7 @@ def test_from_settings_sizes_the_cache() -> None:
     assert (runner.device, runner.dtype, runner.max_context) == (CPU, FP32, 2048)
     per_block = 2 * 4 * 16 * 2 * 32 * 4  # K and V, 4 layers, 16 tokens, 2 KV heads of 32, float32
     assert block_bytes(runner.loaded.config, 16, FP32) == per_block
-    assert runner.num_blocks == 4 * 2**20 // per_block == len(runner.cache.layers[0][0])
+    assert runner.num_blocks == 4 * 2**20 // per_block == len(runner.cache.layers[0][0].data)
 
 
 def test_bfloat16_close_to_float32() -> None:

@@ -331,7 +331,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "dtype", "has_chat_template", "limits")
+    __slots__ = ("model", "architecture", "vocab_size", "max_context", "eos_token_ids", "workers", "dtype", "has_chat_template", "kv_cache_dtype", "limits")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class GetModelInfoResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
@@ -349,8 +350,9 @@ class GetModelInfoResponse(_message.Message):
     workers: int
     dtype: str
     has_chat_template: bool
+    kv_cache_dtype: str
     limits: RequestLimits
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., workers: _Optional[int] = ..., dtype: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_request_bytes", "max_prompt_bytes", "max_stop_strings", "max_stop_bytes", "max_logprobs", "default_max_tokens", "max_request_id_chars", "max_idempotency_key_bytes", "max_batch_items", "resume_grace_s")

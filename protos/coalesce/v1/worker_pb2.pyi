@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "chat_template", "special_tokens")
+    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "chat_template", "special_tokens", "kv_cache_dtype", "kv_block_units")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class InfoResponse(_message.Message):
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_UNITS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -46,7 +48,9 @@ class InfoResponse(_message.Message):
     bos_token_id: int
     chat_template: str
     special_tokens: _containers.ScalarMap[str, str]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_block_units: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_block_units: _Optional[int] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
@@ -89,16 +93,18 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "seqs", "release", "copies")
+    __slots__ = ("step_id", "seqs", "release", "copies", "kv_to_int8")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    KV_TO_INT8_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seqs: _containers.RepeatedCompositeFieldContainer[SequenceWork]
     release: _containers.RepeatedScalarFieldContainer[int]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceWork, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    kv_to_int8: bool
+    def __init__(self, step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SequenceWork, _Mapping]]] = ..., release: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., kv_to_int8: _Optional[bool] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token")
