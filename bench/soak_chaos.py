@@ -211,7 +211,7 @@ class Chaos:
 
     async def hostile_tenant(self) -> str:
         load, sizes = self.load, self.sizes
-        replica = next(r for r in self.replicas if r.up)
+        replica = self._replica("hostile")
         address, token = replica.address, load.tokens["hostile"]
         client = AsyncCoalesceClient(address, token, retry=NO_RETRY)
         try:
