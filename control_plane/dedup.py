@@ -17,6 +17,7 @@ from typing import Any
 
 from control_plane import mirror
 from control_plane.admission import Admission
+from control_plane.cancel import cancel_all
 from control_plane.config import Settings
 from control_plane.dedup_decision import Attach, Decider, Decision, Follow, Lead, Refuse, Replay
 from control_plane.dispatcher import Dispatcher
@@ -66,9 +67,7 @@ class Dedup:
         self._spawn(self._heartbeat())
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)  # they call the store, where a cancellation can be lost (cancel.py)
         with contextlib.suppress(StoreUnavailable):
             self._fenced(await self.journal.flush())
 

@@ -135,7 +135,10 @@ class WorkerLink:
             if plan is None:
                 return False
             step_id += 1
-            await call.write(plan.to_request(step_id))
+            try:
+                await call.write(plan.to_request(step_id))
+            except asyncio.InvalidStateError:  # grpc.aio's answer when the call ended: the worker died while idle
+                raise WorkerLost(f"worker {self.address} ended the step stream") from None
             return True
 
         try:

@@ -222,6 +222,22 @@ def test_worker_killed_mid_generation_streams_complete_unchanged() -> None:
         server.stop()
 
 
+def test_worker_killed_while_idle_is_noticed_at_the_next_request() -> None:
+    """The step stream of an idle worker is not being read: its death is found when the next step is written
+    (grpc.aio refuses a write on a finished call), and the link must reconnect, not die."""
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "32", env=ENV)
+    try:
+        with CoalesceClient(server.address, retry=NO_RETRY) as client:
+            assert len(client.generate("before", max_tokens=4, ignore_eos=True).result().token_ids) == 4
+            (pid,) = server.worker_pids()
+            os.kill(pid, signal.SIGKILL)
+            server.wait_for_line(r"exited .*; restarting it")  # the supervisor restarts it on its port
+            # Used to hang: the link's task had died on the write, so nothing ran on this worker again.
+            assert len(client.generate("after", max_tokens=4, ignore_eos=True, timeout=60).result().token_ids) == 4
+    finally:
+        server.stop()
+
+
 def _worker(serve: ServeProcess) -> str:
     line = serve.wait_for_line(r"worker \S+ connected")
     return line.split("worker ")[1].split(" connected")[0]
