@@ -110,9 +110,13 @@ class Dedup:
                     self.journal.own(target.gen, name=request.request_id, epoch=epoch, key=request.key, log=False,
                                      fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
                 view = self.dispatcher.join(target, view_id, outcome, request.resumable)
+                if not request.key:
+                    await self._index(request, view.gen)
             case Follow(log_id=log_id, view_id=view_id, key=key, content=content):
                 followed = self._mirror(log_id, request.tenant, key, request if content else None)
                 view = self.dispatcher.join(followed, view_id, COALESCED, request.resumable)
+                if not request.key:
+                    await self._index(request, view.gen)
             case Lead(takeover=None):
                 gen = Generation(request.request_id, request.tenant, prompt_tokens=len(request.prompt_ids))
                 view = self.dispatcher.submit(request, gen)
@@ -123,6 +127,18 @@ class Dedup:
                 view = await self._take_over(record)
         self._report(decision, view.request_id)
         return view
+
+    async def _index(self, request: Request, gen: Generation) -> None:
+        """A keyless request reading another's computation is indexed and logged under its own id too, so
+        that any replica can resume it by that id (docs/api.md, "Resume"). The store down: it runs without."""
+        if not self.store.shared:
+            return
+        try:
+            if await self.store.start_request(request.tenant, request.request_id, self.journal.owner,
+                                              payload=request.payload):  # fmt: skip
+                self.journal.own(gen, name=request.request_id, flushed=0, payload=request.payload)
+        except StoreUnavailable as exc:
+            log.warning("request %s is not resumable elsewhere, the store is down: %s", request.request_id, exc)
 
     def _own(self, gen: Generation, request: Request, lead: Lead) -> None:
         self.journal.own(gen, epoch=lead.epoch, key=lead.key, content=lead.content, log=lead.log,
@@ -185,7 +201,7 @@ class Dedup:
         source = source or gen.request_id  # a content follower moves on when the leader changes
         clock = self.dispatcher.clock
         try:
-            while not await mirror.follow(self.store, gen, source, self.settings.lease_s, clock):
+            while not await mirror.follow(self.store, gen, source, self.settings.lease_s, clock, self.journal.touch):
                 try:
                     if key:
                         if await self._owner_lost(gen, key):
@@ -202,6 +218,7 @@ class Dedup:
                 except ApiError as err:
                     gen.finish(ERROR, clock(), err)
         finally:
+            self.journal.touch()  # what it ended with reaches the logs kept under other ids
             name = (gen.tenant, gen.request_id)
             if (followed := self._mirrors.get(name)) is not None and followed.gen is gen:
                 del self._mirrors[name]
@@ -257,12 +274,14 @@ class Dedup:
         if not claim.leader:
             return claim.request_id
         await mirror.catch_up(self.store, gen, source)
-        if not await self.store.start_request(request.tenant, request.request_id, self.journal.owner):
+        held = self.journal.held(request.tenant, request.request_id)  # indexed when it began to follow
+        if held is None and not await self.store.start_request(request.tenant, request.request_id, self.journal.owner):
             raise id_in_use(request.request_id)
         self._mirrors.pop((gen.tenant, gen.request_id), None)
         self.observer.on_dedup("content", "takeover", request.request_id)
         self.dispatcher.submit(request, gen, TAKEOVER)
-        self.journal.own(gen, name=request.request_id, content=request.fingerprint, flushed=0, payload=request.payload)
+        self.journal.own(gen, name=request.request_id, content=request.fingerprint, payload=request.payload,
+                         epoch=held.epoch if held else 1, flushed=held.flushed if held else 0)  # fmt: skip
         return None
 
     async def _take_over(self, record: Record) -> View:

@@ -35,9 +35,17 @@ async def catch_up(store: Store, gen: Generation, source: str = "") -> None:
         apply_slice(gen, piece)
 
 
-async def follow(store: Store, gen: Generation, source: str, lease_s: float, clock: Callable[[], float]) -> bool:
+async def follow(
+    store: Store,
+    gen: Generation,
+    source: str,
+    lease_s: float,
+    clock: Callable[[], float],
+    changed: Callable[[], None] = lambda: None,
+) -> bool:
     """Feed `gen` from the log `source` until it finishes (True), or until the log has been quiet for TAIL_S
-    (False: the caller asks whether its owner is still there, then follows again)."""
+    (False: the caller asks whether its owner is still there, then follows again). `changed` is called after
+    each change of `gen` (the journal writes what a request reading it logs under its own id)."""
     quiet_since = time.monotonic()
     while not gen.done:
         try:
@@ -55,12 +63,14 @@ async def follow(store: Store, gen: Generation, source: str, lease_s: float, clo
         if piece.entries:
             apply_slice(gen, piece)
             quiet_since = time.monotonic()
+            changed()
         if piece.finished:
             done = inference_pb2.GenerateResponse.FromString(piece.finish_info)
             gen.prompt_tokens = done.usage.prompt_tokens
             gen.cached_tokens = done.usage.cached_prompt_tokens
             error = stored_error(done.text) if done.finish_reason == inference_pb2.FINISH_REASON_ERROR else None
             gen.finish(done.finish_reason, clock(), error)
+            changed()
         elif time.monotonic() - quiet_since >= TAIL_S:
             return False
     return True

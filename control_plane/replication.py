@@ -82,6 +82,10 @@ class Replicator:
         self.owned[(gen.tenant, name)] = Owned(name, gen, epoch, key, content, log, done, fingerprint, payload)
         self._dirty.set()
 
+    def held(self, tenant: str, name: str) -> Owned | None:
+        """What this replica keeps of `name`'s shared side, if anything."""
+        return self.owned.get((tenant, name))
+
     def touch(self) -> None:
         """Generations changed (tokens, an admission, a finish): flush at the next turn, if any is ours."""
         if self.owned:

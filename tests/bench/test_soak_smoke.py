@@ -1,10 +1,6 @@
 """`bench/soak.py` for 20 s: real processes, every kind of event that fits, and the summary's zero counts
-(lost and duplicated tokens, leaked KV blocks, unexpected errors). Timing is never asserted here.
-
-The storm's keyless streams are sent with dedup off: a keyless request coalesced onto an identical one is
-not yet resumable on another replica (its id is not in the store's request index), which the default
-(`--storm-dedup auto`) reports as NOT_FOUND errors.
-"""
+(lost and duplicated tokens, leaked KV blocks, unexpected errors). Timing is never asserted here. The
+storm's keyless streams coalesce as real callers' would (a coalesced request resumes on any replica)."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_short_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "20", "--interval", "3",
-           "--storm-dedup", "off", "--json", str(out)]  # fmt: skip
+           "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -220,3 +220,24 @@ def test_a_content_follower_takes_over_when_the_leaders_replica_dies(redis_serve
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("where", ["same replica", "other replica"])
+def test_a_coalesced_keyless_request_resumes_on_the_other_replica(redis_server: object, where: str) -> None:
+    """A request that reads an identical one's computation is indexed and logged under its own id too, so any
+    replica resumes it (found by bench/soak.py: it was NOT_FOUND)."""
+    a, b = pair_of(redis_server.url)  # type: ignore[attr-defined]
+    try:
+        with CoalesceClient(a.address, retry=NO_RETRY) as ca, CoalesceClient(b.address, retry=NO_RETRY) as cb:
+            opts = {"max_tokens": 64, "ignore_eos": True, "temperature": 0.0}
+            leader = ca.generate("the same words", stream=True, **opts)  # type: ignore[arg-type]
+            assert next(iter(leader)).token_ids
+            follower = (ca if where == "same replica" else cb).generate("the same words", stream=True, **opts)  # type: ignore[arg-type]
+            first = next(iter(follower))
+            assert first.dedup_outcome == "coalesced" and first.request_id
+            resumer = cb if where == "same replica" else ca
+            rest = resumer.resume(first.request_id, len(first.token_ids)).result()
+            assert len(first.token_ids) + len(rest.token_ids) == 64 and rest.finish_reason == "length"
+    finally:
+        a.stop()
+        b.stop()
