@@ -24,7 +24,9 @@ ONE_AT_A_TIME = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": "1", "COALESCE_POOLS_
 
 
 def test_sigterm_refuses_the_queue_at_once_and_lets_running_requests_finish() -> None:
-    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "16", env={**ONE_AT_A_TIME, "COALESCE_DRAIN_S": "60"})
+    metrics = free_port()
+    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "16", "--metrics-port", str(metrics),
+                          env={**ONE_AT_A_TIME, "COALESCE_DRAIN_S": "60"})
     events: queue.Queue[tuple[str, str]] = queue.Queue()
     started = threading.Event()
 
@@ -39,20 +41,28 @@ def test_sigterm_refuses_the_queue_at_once_and_lets_running_requests_finish() ->
             except CoalesceError as err:
                 events.put((name, f"{err.code.name} {err.reason}"))
 
-    running = threading.Thread(target=call, args=("running", 600))
+    running = threading.Thread(target=call, args=("running", 1900))
     running.start()
     assert started.wait(60)
     queued = [threading.Thread(target=call, args=(f"queued {i}", 50)) for i in range(6)]
     for t in queued:
         t.start()
-    time.sleep(1.0)  # they are in the queue, behind the one running
+    # SIGTERM once all six wait behind the one running (a fixed sleep let a fast machine finish it first).
+    deadline = time.monotonic() + 30
+    while waiting(metrics) < 6:
+        assert time.monotonic() < deadline, "the six never queued"
+        time.sleep(0.02)
     server.proc.send_signal(signal.SIGTERM)
     for t in [running, *queued]:
         t.join(90)
     order = [events.get_nowait() for _ in range(events.qsize())]
-    assert order[-1] == ("running", "done 600"), order  # finished within drain_s, after the refusals
+    assert order[-1] == ("running", "done 1900"), order  # finished within drain_s, after the refusals
     assert sorted(outcome for name, outcome in order if name != "running") == ["UNAVAILABLE DRAINING"] * 6
     assert server.proc.wait(60) == 0
+
+
+def waiting(metrics_port: int) -> float:
+    return sum(v for k, v in scrape(metrics_port).items() if k.startswith("coalesce_waiting_sequences{"))
 
 
 def test_a_request_left_while_queued_is_dropped() -> None:
