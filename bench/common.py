@@ -3,9 +3,12 @@ percentiles. No torch here, so importing it is cheap."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -21,6 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
 # The control plane's step counters: overhead = 1 - d(forward) / d(loop).
 COUNTERS = ("coalesce_steps_total", "coalesce_step_forward_seconds_total", "coalesce_step_loop_seconds_total")
+
+
+def bench_auth() -> None:
+    """A control plane refuses to start without tokens (docs/security.md). Give this run one of its own: the
+    control planes it starts inherit the mapping, and its clients send the token (both through the
+    environment, as a user's shell would pass them)."""
+    token = secrets.token_urlsafe(24)
+    os.environ["COALESCE_TOKEN"] = token
+    os.environ["COALESCE_AUTH__TOKENS"] = json.dumps({hashlib.sha256(token.encode()).hexdigest(): "bench"})
 
 
 def percentile(values: list[float], q: float) -> float:

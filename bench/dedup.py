@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the 
 
 import redis  # noqa: E402
 
-from bench.common import free_port, percentile  # noqa: E402
+from bench.common import bench_auth, free_port, percentile  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -359,6 +359,7 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=500, help="sequential replays of the SUCCESS key")
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     args = parser.parse_args()
+    bench_auth()
     if args.quick:
         args.requests, args.prompt_tokens, args.max_tokens, args.replays = 16, 32, 16, 50
     fresh = max(20, args.replays // 5)

@@ -25,6 +25,14 @@ os.environ["COALESCE_AUTH__TOKENS"] = json.dumps({hashlib.sha256(TOKEN.encode())
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="coalesce-test-config-")
 
 
+def stranger_env() -> dict[str, str]:
+    """The environment a user's shell would have: none of the session's tokens (a bench or command must set
+    up its own auth, as it does outside the tests), and a fresh config folder of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COALESCE_TOKEN", "COALESCE_AUTH__TOKENS")}
+    env["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="coalesce-stranger-config-")
+    return env
+
+
 class _WithToken(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,

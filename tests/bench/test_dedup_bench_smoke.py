@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from session_env import stranger_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quick_run_prints_the_tables(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     cmd = [sys.executable, str(ROOT / "bench" / "dedup.py"), "--quick", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=ROOT, env=stranger_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for header in (
         "| burst | worker steps | tokens computed | wall s | steps ratio | tokens ratio |",

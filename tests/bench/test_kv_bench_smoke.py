@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from session_env import stranger_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +18,9 @@ TEXT = "Paged attention keeps the KV cache in blocks; the scheduler decides who 
 
 
 def run(*args: str) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=stranger_env(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -39,6 +42,7 @@ def test_quality_names_a_missing_document_set(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "bench/kv_quality.py", "--model", "builtin", "--docs", str(tmp_path / "*.txt")],
         cwd=ROOT,
+        env=stranger_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from session_env import stranger_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_quick_run_prints_the_tables(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     cmd = [sys.executable, str(ROOT / "bench" / "redis_sizing.py"), "--quick", "--requests", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=stranger_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 128 |") or line.startswith("| 512 |")]
     assert len(rows) == 4  # two shapes, with and without a key

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from session_env import stranger_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,7 +20,7 @@ def test_a_short_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--seconds", "20", "--interval", "3",
            "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=stranger_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     zeros = ("lost_tokens", "duplicated_tokens", "mismatched_requests", "offset_gaps", "leaked_kv_blocks")
