@@ -31,11 +31,9 @@ import asyncio
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -50,9 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the repo root is not on the path
     sys.path.insert(0, str(ROOT))
 
-import redis  # noqa: E402
 
-from bench.common import free_port, percentile  # noqa: E402
+from bench.common import free_port, percentile, redis_server  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -116,38 +113,6 @@ def coalesce(command: str, *args: str, ready: re.Pattern[str], env: dict[str, st
         yield process.address
     finally:
         process.stop()
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """A redis-server child process on a free port with nothing persisted; yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (the README's test command installs it)")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            client = redis.Redis(port=port)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {port}") from None
-                    time.sleep(0.02)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def counters(metrics_port: int) -> tuple[float, float]:
