@@ -3,9 +3,12 @@ counters, percentiles, a redis-server on a free port. No torch here, so importin
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
 # The control plane's step counters: overhead = 1 - d(forward) / d(loop).
 COUNTERS = ("coalesce_steps_total", "coalesce_step_forward_seconds_total", "coalesce_step_loop_seconds_total")
+
+
+def bench_token() -> None:
+    """Unless the environment already configures tokens: one random bearer token for this run, known to the
+    servers the bench spawns (COALESCE_AUTH__TOKENS, inherited) and sent by its clients (COALESCE_TOKEN). A
+    standalone `coalesce control-plane` refuses to start with auth on and no tokens (docs/security.md)."""
+    if "COALESCE_AUTH__TOKENS" in os.environ or "COALESCE_TOKEN" in os.environ:
+        return
+    token = secrets.token_urlsafe(24)
+    os.environ["COALESCE_TOKEN"] = token
+    os.environ["COALESCE_AUTH__TOKENS"] = json.dumps({hashlib.sha256(token.encode()).hexdigest(): "bench"})
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the 
     sys.path.insert(0, str(ROOT))
 
 
-from bench.common import free_port, percentile, redis_server  # noqa: E402
+from bench.common import bench_token, free_port, percentile, redis_server  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -189,7 +189,10 @@ def distinct_prompts(n: int, length: int, rng: random.Random) -> list[list[int]]
     return [[first] + [rng.randrange(BYTE_IDS) for _ in range(length - 1)] for first in firsts]
 
 
-def part1(n: int, prompt_tokens: int, max_tokens: int) -> list[Burst]:
+def part1(
+    n: int, prompt_tokens: int, max_tokens: int, model: tuple[str, ...] = MODEL, kv_mb: str = KV_CACHE_MB
+) -> list[Burst]:
+    """`model`: the --model/--dtype flags (bench/report.py runs it on the report's model), with the KV it needs."""
     if n + 2 > BYTE_IDS:
         raise SystemExit(f"--requests must be at most {BYTE_IDS - 2}")
     rng = random.Random(0)
@@ -200,7 +203,7 @@ def part1(n: int, prompt_tokens: int, max_tokens: int) -> list[Burst]:
     metrics_port = free_port()
     # One batch for every burst (see the docstring), and the batch buffer's default wait.
     env = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(n)}
-    args = (*MODEL, "--kv-cache-mb", KV_CACHE_MB, "--metrics-port", str(metrics_port), "--store", "memory")
+    args = (*model, "--kv-cache-mb", kv_mb, "--metrics-port", str(metrics_port), "--store", "memory")
     with coalesce("serve", *args, ready=SERVING, env=env) as address:
         asyncio.run(burst(address, warmup, 4, None))  # first steps pay for allocation and kernel selection
         return [
@@ -228,13 +231,13 @@ def timed(client: CoalesceClient, prompt: list[int], **opts: object) -> tuple[fl
     return (time.perf_counter() - t0) * 1000, result
 
 
-def part2(replays: int, fresh: int, prompt_tokens: int, max_tokens: int) -> Latencies:
+def part2(replays: int, fresh: int, prompt_tokens: int, max_tokens: int, model: tuple[str, ...] = MODEL) -> Latencies:
     rng = random.Random(1)
     prompt = [rng.randrange(BYTE_IDS) for _ in range(prompt_tokens)]
     keyed = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True, "idempotency_key": "bench-replay"}
     with ExitStack() as stack:
         url = stack.enter_context(redis_server())
-        worker = stack.enter_context(coalesce("worker", *MODEL, "--kv-cache-mb", "32", ready=WORKER))
+        worker = stack.enter_context(coalesce("worker", *model, "--kv-cache-mb", "32", ready=WORKER))
         address = stack.enter_context(coalesce("control-plane", "--worker", worker, "--store", url,
                                                ready=CONTROL_PLANE))  # fmt: skip
         # The key is explicit, so retries would add nothing but could hide a failure: off.
@@ -333,6 +336,7 @@ def main() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    bench_token()
     bursts = part1(args.requests, args.prompt_tokens, args.max_tokens)
     lat = part2(args.replays, fresh, args.prompt_tokens, args.max_tokens)
     text = report(args, bursts, lat)

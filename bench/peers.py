@@ -13,6 +13,7 @@ Greedy, `ignore_eos` (the peers get `eos_token_id=-1`), so every request generat
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -84,6 +85,22 @@ def static(model: torch.nn.Module, work: list[Request], size: int) -> Row:
     if size == 1:
         row.name = "transformers one at a time, Poisson"
     return row
+
+
+def reschedule_single(row: Row, work: list[Request]) -> Row:
+    """One-at-a-time `row` (from `static(model, other_work, 1)`) replayed for `work`'s arrivals: the same
+    requests in the same order, each generate taking what it took, started when it arrives or when the one
+    before it finished (the virtual clock of serve_load.run_static with batches of one)."""
+    timings, free_at, prev_finish = [], 0.0, -math.inf
+    for old, req in zip(row.timings, work, strict=True):
+        start_old = max(old.sent, prev_finish)  # when it started in the original replay
+        prev_finish = old.finish
+        start = max(req.arrival, free_at)
+        free_at = start + (old.finish - start_old)
+        timings.append(Timing(req.arrival, start + (old.first - start_old), free_at, 0.0, old.tokens, old.itl, old.ids))
+    out = Row(row.name, timings, free_at - work[0].arrival, False)
+    out.busy_tok_s = row.busy_tok_s
+    return out
 
 
 def agreement(ours: list[Timing], theirs: list[Timing]) -> tuple[int, int, int]:
