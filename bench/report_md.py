@@ -145,6 +145,9 @@ def write(run: Runner, machine: Machine, load_before: str, wall_s: float, out: P
         "",
         "## Closed loops",
         "",
+        f"The workload {run.plan.closed_reps} time(s) over; x32 streamed and not streamed run twice each, alternating "
+        "(the ratio is of their means; the table shows the last run of each).",
+        "",
         *table(run.closed_rows),
         "",
         "## Offered load, Coalesce and the peers",
