@@ -75,17 +75,23 @@ def latency(points: list[LoadPoint], machine: str, path: Path) -> Path:
 
 
 def max_wait(rows: list[tuple[float, float, float, float]], machine: str, path: Path) -> Path:
-    """rows: (max_wait_ms, tok/s, TTFT p50 ms, TTFT p99 ms)."""
+    """rows: (max_wait_ms, tok/s, TTFT p50 ms, TTFT p99 ms), one per value, on a symlog x axis."""
+    rows = sorted(rows)
+    waits = [r[0] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot([r[2] for r in rows], [r[1] for r in rows], marker="o", label="TTFT p50")
-    ax.plot([r[3] for r in rows], [r[1] for r in rows], marker="^", linestyle="--", label="TTFT p99")
-    for wait, tps, p50, _ in rows:
-        ax.annotate(f"{wait:g} ms", (p50, tps), fontsize=7, textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("TTFT, ms")
-    ax.set_ylabel("tokens/s")
-    ax.legend(fontsize=7)
+    ax.plot(waits, [r[1] for r in rows], marker="o", color="C0", label="tokens/s")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xticks(waits, [f"{w:g}" for w in waits])
+    ax.set_xlabel("interactive pool max_wait_ms")
+    ax.set_ylabel("tokens/s", color="C0")
+    twin = ax.twinx()
+    twin.plot(waits, [r[2] for r in rows], marker="s", color="C1", label="TTFT p50")
+    twin.plot(waits, [r[3] for r in rows], marker="^", linestyle="--", color="C3", label="TTFT p99")
+    twin.set_ylabel("TTFT, ms")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [str(line.get_label()) for line in lines], fontsize=7, loc="upper left")
     ax.grid(alpha=0.3)
-    return _save(fig, "Interactive pool max_wait_ms: throughput vs TTFT", machine, path)
+    return _save(fig, "Interactive pool max_wait_ms: throughput and TTFT", machine, path)
 
 
 def timeline(samples: list[tuple[float, float, float]], label: str, machine: str, path: Path) -> Path:

@@ -305,6 +305,8 @@ def main() -> None:
                 run.stage_s[-1] = (run.stage_s[-1][0], now - run.stage_s[-1][1])
             run.stage_s.append((what, now))
             progress.update(task, advance=1, description=what)
+            if not progress.console.is_terminal:  # a log file: one line per stage instead of a live bar
+                print(f"[{now - started:5.0f} s] {what}", file=sys.stderr, flush=True)
 
         step("Coalesce, default settings")
         run.default_server(step)

@@ -87,7 +87,7 @@ class Gauges:
     """Samples (seconds since start, KV blocks in use, running sequences) while a `with` block runs."""
 
     port: int
-    period_s: float = 0.25
+    period_s: float = 0.1
     samples: list[tuple[float, float, float]] = field(default_factory=list)
 
     def __enter__(self) -> Gauges:
