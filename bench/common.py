@@ -1,5 +1,5 @@
-"""Helpers the serving benchmarks share: `coalesce serve` as a child process, its Prometheus counters,
-percentiles. No torch here, so importing it is cheap."""
+"""Helpers the benchmarks (and the tests' fixtures) share: `coalesce serve` as a child process, its Prometheus
+counters, percentiles, a redis-server on a free port. No torch here, so importing it is cheap."""
 
 from __future__ import annotations
 
@@ -9,16 +9,22 @@ import math
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
@@ -26,10 +32,12 @@ SERVING = re.compile(r"coalesce serving \S+ on (\S+):(\d+)")
 COUNTERS = ("coalesce_steps_total", "coalesce_step_forward_seconds_total", "coalesce_step_loop_seconds_total")
 
 
-def bench_auth() -> None:
-    """A control plane refuses to start without tokens (docs/security.md). Give this run one of its own: the
-    control planes it starts inherit the mapping, and its clients send the token (both through the
-    environment, as a user's shell would pass them)."""
+def bench_token() -> None:
+    """Unless the environment already configures tokens: one random bearer token for this run, known to the
+    servers the bench spawns (COALESCE_AUTH__TOKENS, inherited) and sent by its clients (COALESCE_TOKEN). A
+    standalone `coalesce control-plane` refuses to start with auth on and no tokens (docs/security.md)."""
+    if "COALESCE_AUTH__TOKENS" in os.environ or "COALESCE_TOKEN" in os.environ:
+        return
     token = secrets.token_urlsafe(24)
     os.environ["COALESCE_TOKEN"] = token
     os.environ["COALESCE_AUTH__TOKENS"] = json.dumps({hashlib.sha256(token.encode()).hexdigest(): "bench"})
@@ -111,3 +119,85 @@ def overhead(before: dict[str, float] | None, after: dict[str, float] | None) ->
     loop = after["coalesce_step_loop_seconds_total"] - before["coalesce_step_loop_seconds_total"]
     forward = after["coalesce_step_forward_seconds_total"] - before["coalesce_step_forward_seconds_total"]
     return 1 - forward / loop if loop > 0 else None
+
+
+# --- redis-server on a free port (the dedup bench and the tests' fixtures) -------------------------------
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """PEM files for a TLS-only redis-server: its certificate and key, and the CA that signed it (and the
+    clients' certificates, when `auth_clients`)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+    auth_clients: bool = False
+
+
+class RedisServer:
+    """A redis-server child process on a free port, with nothing persisted.
+
+    `extra_args` go to redis-server as they are (e.g. "--maxmemory", "2mb"); with `tls` it listens with TLS
+    only, and `url` is a rediss:// URL (without the CA: a test adds its `ssl_*` options)."""
+
+    def __init__(self, tmp: Path, extra_args: Sequence[str] = (), tls: RedisTls | None = None) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed: run the README's test command, which installs it")
+        self.port = free_port()
+        self.tls = tls
+        self._args = [exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)]
+        if tls is None:
+            self.url = f"redis://127.0.0.1:{self.port}/0"
+            self._args += ["--port", str(self.port)]
+        else:
+            self.url = f"rediss://127.0.0.1:{self.port}/0"
+            self._args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(tls.cert)]
+            self._args += ["--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.ca)]
+            self._args += ["--tls-auth-clients", "yes" if tls.auth_clients else "no"]
+        self._args += list(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def client(self) -> redis.Redis:
+        """A plain synchronous client (trusting the test CA, presenting its client certificate under TLS)."""
+        if self.tls is None:
+            return redis.Redis(port=self.port)
+        return redis.Redis(
+            port=self.port,
+            ssl=True,
+            ssl_ca_certs=str(self.tls.ca),
+            ssl_certfile=str(self.tls.cert),
+            ssl_keyfile=str(self.tls.key),
+        )
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}: {self._args}") from None
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@contextmanager
+def redis_server() -> Iterator[str]:
+    """A RedisServer in a temporary directory for the length of a `with`; yields its URL."""
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        try:
+            yield server.url
+        finally:
+            server.stop()

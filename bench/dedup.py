@@ -31,11 +31,9 @@ import asyncio
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -50,9 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the repo root is not on the path
     sys.path.insert(0, str(ROOT))
 
-import redis  # noqa: E402
 
-from bench.common import bench_auth, free_port, percentile  # noqa: E402
+from bench.common import bench_token, free_port, percentile, redis_server  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -116,38 +113,6 @@ def coalesce(command: str, *args: str, ready: re.Pattern[str], env: dict[str, st
         yield process.address
     finally:
         process.stop()
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """A redis-server child process on a free port with nothing persisted; yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (the README's test command installs it)")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            client = redis.Redis(port=port)
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    client.ping()
-                    break
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {port}") from None
-                    time.sleep(0.02)
-            client.close()
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def counters(metrics_port: int) -> tuple[float, float]:
@@ -224,7 +189,10 @@ def distinct_prompts(n: int, length: int, rng: random.Random) -> list[list[int]]
     return [[first] + [rng.randrange(BYTE_IDS) for _ in range(length - 1)] for first in firsts]
 
 
-def part1(n: int, prompt_tokens: int, max_tokens: int) -> list[Burst]:
+def part1(
+    n: int, prompt_tokens: int, max_tokens: int, model: tuple[str, ...] = MODEL, kv_mb: str = KV_CACHE_MB
+) -> list[Burst]:
+    """`model`: the --model/--dtype flags (bench/report.py runs it on the report's model), with the KV it needs."""
     if n + 2 > BYTE_IDS:
         raise SystemExit(f"--requests must be at most {BYTE_IDS - 2}")
     rng = random.Random(0)
@@ -235,7 +203,7 @@ def part1(n: int, prompt_tokens: int, max_tokens: int) -> list[Burst]:
     metrics_port = free_port()
     # One batch for every burst (see the docstring), and the batch buffer's default wait.
     env = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": str(n)}
-    args = (*MODEL, "--kv-cache-mb", KV_CACHE_MB, "--metrics-port", str(metrics_port), "--store", "memory")
+    args = (*model, "--kv-cache-mb", kv_mb, "--metrics-port", str(metrics_port), "--store", "memory")
     with coalesce("serve", *args, ready=SERVING, env=env) as address:
         asyncio.run(burst(address, warmup, 4, None))  # first steps pay for allocation and kernel selection
         return [
@@ -263,13 +231,13 @@ def timed(client: CoalesceClient, prompt: list[int], **opts: object) -> tuple[fl
     return (time.perf_counter() - t0) * 1000, result
 
 
-def part2(replays: int, fresh: int, prompt_tokens: int, max_tokens: int) -> Latencies:
+def part2(replays: int, fresh: int, prompt_tokens: int, max_tokens: int, model: tuple[str, ...] = MODEL) -> Latencies:
     rng = random.Random(1)
     prompt = [rng.randrange(BYTE_IDS) for _ in range(prompt_tokens)]
     keyed = {"max_tokens": max_tokens, "ignore_eos": True, "stream": True, "idempotency_key": "bench-replay"}
     with ExitStack() as stack:
         url = stack.enter_context(redis_server())
-        worker = stack.enter_context(coalesce("worker", *MODEL, "--kv-cache-mb", "32", ready=WORKER))
+        worker = stack.enter_context(coalesce("worker", *model, "--kv-cache-mb", "32", ready=WORKER))
         address = stack.enter_context(coalesce("control-plane", "--worker", worker, "--store", url,
                                                ready=CONTROL_PLANE))  # fmt: skip
         # The key is explicit, so retries would add nothing but could hide a failure: off.
@@ -359,7 +327,6 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=500, help="sequential replays of the SUCCESS key")
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     args = parser.parse_args()
-    bench_auth()
     if args.quick:
         args.requests, args.prompt_tokens, args.max_tokens, args.replays = 16, 32, 16, 50
     fresh = max(20, args.replays // 5)
@@ -369,6 +336,7 @@ def main() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
+    bench_token()
     bursts = part1(args.requests, args.prompt_tokens, args.max_tokens)
     lat = part2(args.replays, fresh, args.prompt_tokens, args.max_tokens)
     text = report(args, bursts, lat)

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/redis_sizing.py`
 
 import redis  # noqa: E402
 
-from bench.common import bench_auth, free_port  # noqa: E402
+from bench.common import bench_token, free_port  # noqa: E402
 from bench.dedup import CONTROL_PLANE, WORKER, coalesce  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -203,7 +203,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, help="concurrent requests per row (default 32, quick 4)")
     parser.add_argument("--out", help="also write the report to this file")
     args = parser.parse_args()
-    bench_auth()
+    bench_token()
     n = args.requests or (4 if args.quick else 32)
     shapes = [Shape(128, 16), Shape(512, 64)] if args.quick else [Shape(256, 32), Shape(1536, 256)]
     with ExitStack() as stack:

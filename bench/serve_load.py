@@ -90,6 +90,7 @@ class Timing:
     queue_s: float = 0.0
     tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the tokens received (greedy agreement with peers)
 
 
 @dataclass(slots=True)
@@ -137,6 +138,7 @@ async def stream_one(client: AsyncCoalesceClient, req: Request, t0: float) -> Ti
             n = len(chunk.token_ids)
             timing.itl += [(now - last) / n] * n
         timing.tokens += len(chunk.token_ids)
+        timing.ids += chunk.token_ids
         last = now
     timing.finish = last
     if timing.tokens != req.max_tokens:
@@ -194,8 +196,9 @@ def run_coalesce(args: argparse.Namespace, work: list[Request]) -> tuple[list[Ro
         return rows, scrape(port) is not None
 
 
-def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
-    """Closed-loop tok/s with tracing off vs on (exported over OTLP to a local receiver)."""
+def tracing_runs(args: argparse.Namespace, work: list[Request]) -> tuple[dict[str, list[float]], int]:
+    """Closed-loop tok/s of each run with tracing off and on (exported over OTLP to a local receiver), and the
+    spans received."""
     with otlp_sink() as (endpoint, sink):
         tracing_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "500"}
         results: dict[str, list[float]] = {"off": [], "on": []}
@@ -207,13 +210,19 @@ def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
                 span = max(t.finish for t in timings) - min(t.sent for t in timings)
                 results[label].append(sum(t.tokens for t in timings) / span)
             print(f"  tracing {label}: {results[label][-1]:,.0f} tok/s", file=sys.stderr)
+    return results, sink.spans
+
+
+def run_tracing(args: argparse.Namespace, work: list[Request]) -> list[str]:
+    """Closed-loop tok/s with tracing off vs on, as a table."""
+    results, spans = tracing_runs(args, work)
     off, on = (sum(results[k]) / len(results[k]) for k in ("off", "on"))
     runs = ", ".join(f"{x:,.0f}" for x in results["off"]), ", ".join(f"{x:,.0f}" for x in results["on"])
     return [
         f"| tracing (closed loop x{args.concurrency}) | tok/s (runs) | mean tok/s |",
         "|---|---:|---:|",
         f"| off | {runs[0]} | {off:,.0f} |",
-        f"| on, OTLP export ({sink.spans:,} spans received) | {runs[1]} | {on:,.0f} |",
+        f"| on, OTLP export ({spans:,} spans received) | {runs[1]} | {on:,.0f} |",
         f"| on / off | | {on / off:.3f}x |",
     ]
 
@@ -257,18 +266,18 @@ class TokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def generate_batch(model: torch.nn.Module, batch: list[Request]) -> tuple[float, list[float]]:
-    """Run one padded batch; its duration and each new token's time after the start."""
+def generate_batch(model: torch.nn.Module, batch: list[Request]) -> tuple[float, list[float], list[list[int]]]:
+    """Run one padded batch; its duration, each new token's time after the start, and each row's new tokens."""
     width, new = max(len(r.prompt) for r in batch), max(r.max_tokens for r in batch)
     ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])  # left padding
     mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
     clock = TokenClock()
     start = time.perf_counter()
-    model.generate(  # type: ignore[operator]
+    out = model.generate(  # type: ignore[operator]
         ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
         pad_token_id=0, eos_token_id=None, streamer=clock,
     )  # fmt: skip
-    return time.perf_counter() - start, [t - start for t in clock.times[1:]]
+    return time.perf_counter() - start, [t - start for t in clock.times[1:]], out[:, width:].tolist()
 
 
 def run_static(model: torch.nn.Module, work: list[Request], size: int) -> Row:
@@ -284,12 +293,14 @@ def run_static(model: torch.nn.Module, work: list[Request], size: int) -> Row:
         batch: list[Request] = []
         while pending and pending[0].arrival <= start and len(batch) < size:
             batch.append(pending.popleft())
-        took, token_times = generate_batch(model, batch)
+        took, token_times, ids = generate_batch(model, batch)
         busy, free_at = busy + took, start + took
-        for req in batch:
+        for req, row_ids in zip(batch, ids, strict=True):
             own = token_times[: req.max_tokens]
             gaps = [b - a for a, b in itertools.pairwise(own)]
-            timings.append(Timing(req.arrival, start + own[0], free_at, 0.0, req.max_tokens, gaps))
+            timings.append(
+                Timing(req.arrival, start + own[0], free_at, 0.0, req.max_tokens, gaps, row_ids[: req.max_tokens])
+            )
     row = Row(f"transformers static x{size}, Poisson", timings, free_at - work[0].arrival, False)
     row.busy_tok_s = sum(r.max_tokens for r in work) / busy
     return row

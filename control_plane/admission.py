@@ -146,6 +146,7 @@ class Admission:
             resumable=bool(key) or request.resumable,
             payload=payload,
             traceparent=traceparent,
+            caller_seed=s.seed if s.HasField("seed") else None,
         )
 
     def _fingerprint(

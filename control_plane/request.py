@@ -34,3 +34,4 @@ class Request:
     # The caller's GenerateRequest (request id filled in, unknown fields dropped): a takeover re-runs it.
     payload: bytes = b""
     traceparent: str = ""  # the trace the worker links its step spans to
+    caller_seed: int | None = None  # the seed the caller asked for (`sampling.seed` is the worker's, always set)

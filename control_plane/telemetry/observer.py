@@ -161,8 +161,10 @@ class TelemetryObserver(Observer):
             "coalesce.request_id": request.request_id,
             "coalesce.pool": request.pool,
         }
-        if s.seed:
-            attrs["gen_ai.request.seed"] = s.seed
+        if request.caller_seed is not None:
+            # OTLP ints are int64: a uint64 seed above it would fail to export (and log a traceback per span).
+            seed = request.caller_seed
+            attrs["gen_ai.request.seed"] = seed - 2**64 if seed >= 2**63 else seed
         return attrs
 
     def on_dedup(self, kind: str, outcome: str, request_id: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -107,13 +108,27 @@ def _wrap(handler: grpc.RpcMethodHandler, tracer: trace.Tracer, method: str, met
         )  # fmt: skip
 
     def streaming(behavior: Behavior) -> Behavior:
+        # The span is current only while the handler runs (each step of its generator), never across a yield:
+        # grpc may close this generator from another context, where detaching a context attached across the
+        # yield fails (and logs a traceback per call).
         async def run(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            with span() as s:
-                try:
-                    async for message in behavior(request, context):
-                        yield message
-                finally:
-                    _set_status(s, context)
+            s = tracer.start_span(name, context=propagate.extract(metadata), kind=SpanKind.SERVER,
+                                  attributes=attributes)  # fmt: skip
+            current = trace.set_span_in_context(s)
+            messages = behavior(request, context).__aiter__()
+            try:
+                while True:
+                    token = otel_context.attach(current)
+                    try:
+                        message = await messages.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        otel_context.detach(token)
+                    yield message
+            finally:
+                _set_status(s, context)
+                s.end()
 
         return run
 

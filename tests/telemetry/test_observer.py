@@ -22,7 +22,8 @@ MODEL = ("text_completion", "tiny", "interactive")
 
 
 def _run_one(observer: TelemetryObserver) -> Generation:
-    spec = Request("r1", "t", [1, 2, 3, 4], 3, "interactive", worker_pb2.WorkerSampling(seed=7))
+    # The worker's noise seed (any uint64) is not the caller's: the span records the caller's.
+    spec = Request("r1", "t", [1, 2, 3, 4], 3, "interactive", worker_pb2.WorkerSampling(seed=2**64 - 5), caller_seed=7)
     gen = Generation("r1", "t", prompt_tokens=4)
     seq = Sequence(1, "r1", "t", "interactive", [1, 2, 3, 4], 3, arrival=10.0, first_scheduled_at=10.05)
     seq.cached_prompt_tokens = 2
