@@ -1,0 +1,120 @@
+"""Weight-only quantized linears (`--weights`), quantized at load from the dense weights (docs/architecture.md,
+worker section).
+
+At a decode step of a few sequences a CPU matmul is bound by reading its weights, so reading int8 (a quarter
+of float32's bytes) or int4 weights is faster; at large batches the dense bf16/fp32 kernels win again
+(measured in docs/architecture.md). The modes:
+
+- dense: the checkpoint's weights in the model's dtype (exactly the transformers reference in float32).
+- int8: per output channel symmetric int8, run by torch._weight_int8pack_mm.
+- int4: groups of INT4_GROUP input channels, asymmetric (scale and zero per group), run by
+  torch._weight_int4pack_mm_for_cpu on the packed layout of torch._convert_weight_to_int4pack_for_cpu.
+  A linear whose input size is not a multiple of INT4_GROUP gets int8 instead.
+- auto: int8 and the dense weights both kept; a step of at most AUTO_MAX_TOKENS tokens runs int8, a larger
+  one dense. Costs the int8 copy's memory (about a quarter of float32's, half of bfloat16's).
+
+Only the decoder's linears and the LM head are quantized; the embedding stays dense (a lookup reads a few rows).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightsMode = Literal["auto", "dense", "int8", "int4"]
+WEIGHTS_MODES: tuple[WeightsMode, ...] = ("auto", "dense", "int8", "int4")
+INT4_GROUP = 32
+# The largest step (in tokens) that auto runs quantized: int8 beats dense bf16/fp32 below it (measured).
+AUTO_MAX_TOKENS = 16
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> int8 [N, K] and float32 scales [N]: w ~ q * scale, per output channel."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    return (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> int32 codes [N, K] in 0..15 and float32 scales_and_zeros [K / group, N, 2], in the
+    convention of torch's int4 kernels: w ~ (q - 8) * scale + zero."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scales = ((hi - lo) / 15).clamp(min=1e-10)
+    codes = ((w - lo) / scales).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
+    zeros = lo + 8 * scales
+    return codes, torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+def dequantize_int4(codes: torch.Tensor, scales_and_zeros: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """What quantize_int4's output stands for, as float32 [N, K] (for tests and quality checks)."""
+    n, k = codes.shape
+    sz = scales_and_zeros.transpose(0, 1)  # [N, K / group, 2]
+    return ((codes.reshape(n, k // group, group).float() - 8) * sz[..., :1] + sz[..., 1:]).reshape(n, k)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W int8 or int4; with `keep_dense`, steps over `max_tokens` rows use the dense W."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kind: Literal["int8", "int4"],
+        keep_dense: bool = False,
+        max_tokens: int = AUTO_MAX_TOKENS,
+    ) -> None:
+        super().__init__()
+        dtype = weight.dtype
+        if kind == "int4" and weight.shape[1] % INT4_GROUP:
+            kind = "int8"
+        self.kind, self.max_tokens = kind, max_tokens
+        self.dense = weight if keep_dense else None
+        self.bias = bias
+        if kind == "int8":
+            q, scales = quantize_int8(weight)
+            self.q, self.scales = q, scales.to(dtype)
+        else:
+            codes, sz = quantize_int4(weight)
+            self.q, self.scales = torch._convert_weight_to_int4pack_for_cpu(codes, 1), sz.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.max_tokens:
+            return F.linear(x, self.dense, self.bias)
+        x = x.contiguous()
+        if self.kind == "int8":
+            y = torch._weight_int8pack_mm(x, self.q, self.scales)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def extra_repr(self) -> str:
+        dense = f", dense above {self.max_tokens} tokens" if self.dense is not None else ""
+        return f"{self.kind}, out={self.q.shape[0]}{dense}"
+
+
+def quantize_weights(model: nn.Module, mode: WeightsMode, max_tokens: int = AUTO_MAX_TOKENS) -> None:
+    """Swap a worker.model.Transformer's linears (and LM head) for QuantLinear in place; `dense` leaves it as
+    is. CPU only: torch's int4 kernel here is the CPU one."""
+    if mode == "dense":
+        return
+    if mode not in WEIGHTS_MODES:
+        raise ValueError(f"unknown weights mode {mode!r}; one of {', '.join(WEIGHTS_MODES)}")
+    kind: Literal["int8", "int4"] = "int4" if mode == "int4" else "int8"
+    keep = mode == "auto"
+
+    def swap(lin: nn.Linear) -> QuantLinear:
+        return QuantLinear(lin.weight, lin.bias, kind, keep, max_tokens)
+
+    for layer in model.layers:  # type: ignore[union-attr]
+        layer.attn.qkv, layer.attn.o = swap(layer.attn.qkv), swap(layer.attn.o)
+        layer.mlp.gate_up, layer.mlp.down = swap(layer.mlp.gate_up), swap(layer.mlp.down)
+    tied = model.lm_head is None  # type: ignore[union-attr]
+    head = model.embed if tied else model.lm_head  # type: ignore[union-attr]
+    model.head = QuantLinear(head.weight, None, kind, keep, max_tokens)  # type: ignore[union-attr]
+    if not tied:
+        model.lm_head = None  # type: ignore[union-attr]  # its weight lives on in model.head (if kept)
