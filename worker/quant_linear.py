@@ -9,7 +9,7 @@ of float32's bytes) or int4 weights is faster; at large batches the dense bf16/f
 - int8: per output channel symmetric int8, run by torch._weight_int8pack_mm.
 - int4: groups of INT4_GROUP input channels, asymmetric (scale and zero per group), run by
   torch._weight_int4pack_mm_for_cpu on the packed layout of torch._convert_weight_to_int4pack_for_cpu.
-  A linear whose input size is not a multiple of INT4_GROUP gets int8 instead.
+  A linear whose input size is not a multiple of INT4_GROUP (or output size of 16) gets int8 instead.
 - auto: int8 and the dense weights both kept; a step of at most AUTO_MAX_TOKENS tokens runs int8, a larger
   one dense. Costs the int8 copy's memory (about a quarter of float32's, half of bfloat16's).
 
@@ -70,8 +70,8 @@ class QuantLinear(nn.Module):
     ) -> None:
         super().__init__()
         dtype = weight.dtype
-        if kind == "int4" and weight.shape[1] % INT4_GROUP:
-            kind = "int8"
+        if kind == "int4" and (weight.shape[1] % INT4_GROUP or weight.shape[0] % 16):
+            kind = "int8"  # torch's int4 packing wants whole groups and rows in sixteens
         self.kind, self.max_tokens = kind, max_tokens
         self.dense = weight if keep_dense else None
         self.bias = bias

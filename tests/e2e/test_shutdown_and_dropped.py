@@ -25,8 +25,9 @@ ONE_AT_A_TIME = {"COALESCE_POOLS__INTERACTIVE__MAX_BATCH": "1", "COALESCE_POOLS_
 
 def test_sigterm_refuses_the_queue_at_once_and_lets_running_requests_finish() -> None:
     metrics = free_port()
-    server = ServeProcess(*BUILTIN, "--kv-cache-mb", "16", "--metrics-port", str(metrics),
-                          env={**ONE_AT_A_TIME, "COALESCE_DRAIN_S": "60"})
+    server = ServeProcess(
+        *BUILTIN, "--kv-cache-mb", "16", "--metrics-port", str(metrics), env={**ONE_AT_A_TIME, "COALESCE_DRAIN_S": "60"}
+    )
     events: queue.Queue[tuple[str, str]] = queue.Queue()
     started = threading.Event()
 
