@@ -27,6 +27,9 @@ from torch import nn
 WeightsMode = Literal["auto", "dense", "int8", "int4"]
 WEIGHTS_MODES: tuple[WeightsMode, ...] = ("auto", "dense", "int8", "int4")
 INT4_GROUP = 32
+# The kernels run in bfloat16 whatever the model's dtype: their float32 paths are 7-20x slower here (measured,
+# docs/architecture.md), so a float32 model's activations are rounded to bfloat16 for a quantized matmul.
+KERNEL_DTYPE = torch.bfloat16
 # The largest step (in tokens) that auto runs quantized: int8 beats dense bf16/fp32 below it (measured).
 AUTO_MAX_TOKENS = 16
 
@@ -69,7 +72,6 @@ class QuantLinear(nn.Module):
         max_tokens: int = AUTO_MAX_TOKENS,
     ) -> None:
         super().__init__()
-        dtype = weight.dtype
         if kind == "int4" and (weight.shape[1] % INT4_GROUP or weight.shape[0] % 16):
             kind = "int8"  # torch's int4 packing wants whole groups and rows in sixteens
         self.kind, self.max_tokens = kind, max_tokens
@@ -77,19 +79,20 @@ class QuantLinear(nn.Module):
         self.bias = bias
         if kind == "int8":
             q, scales = quantize_int8(weight)
-            self.q, self.scales = q, scales.to(dtype)
+            self.q, self.scales = q, scales.to(KERNEL_DTYPE)
         else:
             codes, sz = quantize_int4(weight)
-            self.q, self.scales = torch._convert_weight_to_int4pack_for_cpu(codes, 1), sz.to(dtype)
+            self.q, self.scales = torch._convert_weight_to_int4pack_for_cpu(codes, 1), sz.to(KERNEL_DTYPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > self.max_tokens:
             return F.linear(x, self.dense, self.bias)
-        x = x.contiguous()
+        xk = x.to(KERNEL_DTYPE).contiguous()
         if self.kind == "int8":
-            y = torch._weight_int8pack_mm(x, self.q, self.scales)
+            y = torch._weight_int8pack_mm(xk, self.q, self.scales)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.scales)
+            y = torch._weight_int4pack_mm_for_cpu(xk, self.q, INT4_GROUP, self.scales)
+        y = y.to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
