@@ -1,5 +1,6 @@
 """llama.cpp as a peer for the CPU benchmarks: its binaries, built once from the vendored source in the
-`llama-cpp-python` sdist (PyPI), and its `llama-batched-bench` output parsed into decode tok/s per batch.
+`llama-cpp-python` sdist (PyPI); its `llama-batched-bench` output parsed into decode tok/s per batch; and
+`llama-server` (continuous batching over `slots` slots) driven by a closed loop of HTTP completions.
 
 The build is CPU only, Release, into ~/.cache/coalesce/llama.cpp/<version>; a second call finds it there.
 No torch here, so importing it is cheap.
@@ -9,13 +10,21 @@ No torch here, so importing it is cheap.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 CACHE = Path(os.environ.get("COALESCE_CACHE", Path.home() / ".cache" / "coalesce")) / "llama.cpp"
@@ -112,6 +121,65 @@ def batched_bench(
     cmd += ["-ngl", "0"]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return parse_batched_bench(done.stdout + done.stderr)
+
+
+@contextmanager
+def llama_server(gguf: Path, slots: int, slot_ctx: int, threads: int, port: int) -> Iterator[str]:
+    """`llama-server` on 127.0.0.1:`port` with `slots` slots of `slot_ctx` tokens each; yields its base URL
+    once /health answers, stops it with SIGINT."""
+    exe = build()["llama-server"]
+    cmd = [str(exe), "-m", str(gguf), "-np", str(slots), "-c", str(slots * slot_ctx), "-t", str(threads)]
+    cmd += ["-tb", str(threads), "--host", "127.0.0.1", "--port", str(port), "-ngl", "0", "--no-webui"]
+    # A file, not a pipe, for its log: a full pipe would stall the server.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"llama-server exited {proc.returncode}: {log.read()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not become healthy in 120 s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    """One greedy completion of `prompt` (token ids) for exactly max_tokens tokens (ignore_eos), through the
+    OpenAI-compatible /v1/completions; (seconds, tokens generated)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": False}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        out = json.loads(resp.read())
+    return time.perf_counter() - t0, int(out["usage"]["completion_tokens"])
+
+
+def closed_loop(url: str, work: list[tuple[list[int], int]], concurrency: int) -> tuple[float, int, list[float]]:
+    """`concurrency` clients, each sending the next (prompt, max_tokens) when its own ends: (span seconds,
+    tokens generated, each request's seconds)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda w: complete(url, *w), work))
+    return time.perf_counter() - t0, sum(n for _, n in done), [s for s, _ in done]
 
 
 if __name__ == "__main__":
