@@ -134,7 +134,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=["auto", "dense", "int8", "int4"],
         help="linear weights: dense (default, the checkpoint in --dtype), int8 or int4 (quantized at load, CPU), "
-        "or auto (int8 for small steps, dense for large ones)",
+        "or auto (int4 for small steps, dense for large ones)",
     )
     p.add_argument("--cache-dir", help="where GGUF checkpoints are converted to once (default ~/.cache/coalesce)")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")
