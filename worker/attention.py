@@ -139,7 +139,8 @@ def _prefill_group(
     length = b_max * block_size
     rows = torch.empty(len(seqs), q_max, dtype=torch.int64)
     mask = torch.zeros(len(seqs), 1, q_max, length, dtype=dtype)
-    real, dest = [], []
+    real: list[int] = []
+    dest: list[int] = []
     for i, (first, s) in enumerate(seqs):
         n = s.num_tokens
         rows[i] = first

@@ -262,6 +262,6 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
-            return self.head(hidden)  # type: ignore[no-any-return]
+            return self.head(hidden)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

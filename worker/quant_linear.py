@@ -20,7 +20,7 @@ Only the decoder's linears and the LM head are quantized; the embedding stays de
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ class QuantLinear(nn.Module):
         return f"{self.kind}, out={self.q.shape[0]}{dense}"
 
 
-def quantize_weights(model: nn.Module, mode: WeightsMode, max_tokens: int = AUTO_MAX_TOKENS) -> None:
+def quantize_weights(model: Any, mode: WeightsMode, max_tokens: int = AUTO_MAX_TOKENS) -> None:
     """Swap a worker.model.Transformer's linears (and LM head) for QuantLinear in place; `dense` leaves it as
     is. CPU only: torch's int4 kernel here is the CPU one."""
     if mode == "dense":
@@ -115,12 +115,12 @@ def quantize_weights(model: nn.Module, mode: WeightsMode, max_tokens: int = AUTO
     def swap(lin: nn.Linear) -> QuantLinear:
         return QuantLinear(lin.weight, lin.bias, kind, keep, max_tokens)
 
-    for layer in model.layers:  # type: ignore[union-attr]
+    for layer in model.layers:
         layer.attn.qkv, layer.attn.o = swap(layer.attn.qkv), swap(layer.attn.o)
         layer.mlp.gate_up, layer.mlp.down = swap(layer.mlp.gate_up), swap(layer.mlp.down)
-    tied = model.lm_head is None  # type: ignore[union-attr]
-    head = model.embed if tied else model.lm_head  # type: ignore[union-attr]
+    head: nn.Module = model.embed if model.lm_head is None else model.lm_head
+    weight = head.weight
+    assert isinstance(weight, torch.Tensor)
     # The LM head stays int8 under int4 (see the module docstring).
-    model.head = QuantLinear(head.weight, None, "int8", keep, max_tokens)  # type: ignore[union-attr]
-    if not tied:
-        model.lm_head = None  # type: ignore[union-attr]  # its weight lives on in model.head (if kept)
+    model.head = QuantLinear(weight, None, "int8", keep, max_tokens)
+    model.lm_head = None  # tied or not, the head is model.head now (its dense weight kept by auto)
