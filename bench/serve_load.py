@@ -29,7 +29,11 @@ Tracing cost: the closed loop runs again on fresh servers with tracing off and o
 receiver that counts spans), alternating off/on three times so drift hits both alike.
 
     .venv/bin/python bench/serve_load.py [--quick] [--requests N] [--rate R] [--model builtin|smollm2|FILE.gguf|DIR]
-        [--dtype auto|float32|bfloat16] [--out FILE.md]
+        [--dtype auto|float32|bfloat16] [--weights dense|int8|int4|auto] [--out FILE.md]
+
+`--llama-server` (a GGUF model) runs only the closed loop: `coalesce serve` against llama.cpp's `llama-server`
+(`--concurrency` slots, continuous batching, the same thread count; built by bench/llama_cpp.py), each
+request through its OpenAI-compatible /v1/completions as token ids, greedy, ignore_eos, non-streamed.
 
 Both sides run the same weights in the same dtype (`auto` resolves as the worker does: bfloat16 on CPUs with
 native bfloat16 matmuls, else float32); a GGUF model is loaded by transformers' own GGUF loader.
@@ -181,7 +185,8 @@ def coalesce_row(name: str, timings: list[Timing], port: int, before: dict[str, 
 def run_coalesce(args: argparse.Namespace, work: list[Request]) -> tuple[list[Row], bool]:
     """The three Coalesce set-ups on one server; also whether the metrics endpoint answered."""
     port = free_port()
-    with serve(args.model, args.concurrency, port, dtype=args.dtype) as address:
+    env = {"COALESCE_WORKER__WEIGHTS": args.weights}
+    with serve(args.model, args.concurrency, port, env, args.dtype) as address:
         # Warm-up: the first steps pay for allocations and lazy init in the worker.
         asyncio.run(run_closed(address, work[: min(8, len(work))], 8))
         rows = []
@@ -194,6 +199,35 @@ def run_coalesce(args: argparse.Namespace, work: list[Request]) -> tuple[list[Ro
             rows.append(coalesce_row(name, asyncio.run(run()), port, before))
             print(f"  {name}: {rows[-1].tok_s:,.0f} tok/s", file=sys.stderr)
         return rows, scrape(port) is not None
+
+
+def run_vs_llama_server(args: argparse.Namespace, work: list[Request]) -> list[str]:
+    """Closed-loop tok/s of `coalesce serve` and of `llama-server` on the same workload and GGUF file."""
+    from bench.llama_cpp import closed_loop, llama_server
+    from bench.worker_step import gguf_file
+
+    env = {"COALESCE_WORKER__WEIGHTS": args.weights}
+    with serve(args.model, args.concurrency, free_port(), env, args.dtype) as address:
+        asyncio.run(run_closed(address, work[: min(8, len(work))], 8))  # warm-up
+        timings = asyncio.run(run_closed(address, work, args.concurrency))
+    ours = coalesce_row("coalesce serve", timings, 0, None)
+    print(f"  coalesce serve: {ours.tok_s:,.0f} tok/s", file=sys.stderr)
+    slot_ctx = max(len(r.prompt) + r.max_tokens for r in work) + 16
+    pairs = [(r.prompt, r.max_tokens) for r in work]
+    with llama_server(gguf_file(args.model), args.concurrency, slot_ctx, torch.get_num_threads(), free_port()) as url:
+        closed_loop(url, pairs[: min(8, len(pairs))], 8)  # warm-up
+        span, tokens, e2e = closed_loop(url, pairs, args.concurrency)
+    print(f"  llama-server: {tokens / span:,.0f} tok/s", file=sys.stderr)
+    ours_e2e = [t.finish - t.sent for t in timings]
+    return [
+        f"| closed loop x{args.concurrency}, {len(work)} requests | tok/s | e2e p50 | e2e p99 |",
+        "|---|---:|---:|---:|",
+        f"| coalesce serve (--weights {args.weights}) | {ours.tok_s:,.0f} | {ms(percentile(ours_e2e, 50))} "
+        f"| {ms(percentile(ours_e2e, 99))} |",
+        f"| llama-server ({args.concurrency} slots) | {tokens / span:,.0f} | {ms(percentile(e2e, 50))} "
+        f"| {ms(percentile(e2e, 99))} |",
+        f"| coalesce / llama-server | {ours.tok_s / (tokens / span):.2f}x | | |",
+    ]
 
 
 def tracing_runs(args: argparse.Namespace, work: list[Request]) -> tuple[dict[str, list[float]], int]:
@@ -375,10 +409,23 @@ def main() -> None:
         "--model", default="builtin", help="builtin (default), smollm2, a .gguf file or a checkpoint dir"
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="both sides' dtype")
+    parser.add_argument("--weights", default="dense", choices=["auto", "dense", "int8", "int4"], help="Coalesce's")
+    parser.add_argument("--llama-server", action="store_true", help="only the closed loop, against llama-server")
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
     if args.quick:
         args.requests = min(args.requests, 16)
+    if args.llama_server:
+        load_before = os.getloadavg()[0]
+        dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+        lines = run_vs_llama_server(args, make_workload(args.requests, args.rate, args.seed, args.quick))
+        head = f"# model {args.model}, {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} CPU threads"
+        load = f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+        text = "\n".join([head, "", *lines, "", load])
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     work = make_workload(args.requests, args.rate, args.seed, args.quick)

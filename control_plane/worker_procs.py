@@ -39,6 +39,8 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         settings.device,
         "--dtype",
         settings.dtype,
+        "--weights",
+        settings.weights,
         "--kv-cache-mb",
         str(settings.kv_cache_mb),
         "--kv-cache-dtype",

@@ -3,8 +3,9 @@
 Each step first writes its new K/V into cache slots (slot = block_table[pos // bs] * bs + pos % bs), then each
 sequence's new queries attend causally over its whole cached context, read through its block table.
 Single-token sequences (decodes) are attended in one batched gather + masked SDPA call; longer ones (prefill
-chunks) one sequence at a time. Reads gather whole blocks (contiguous rows, far cheaper than gathering slot
-by slot) and mask what lies past each sequence. Index tensors are built once per step (`build_metadata`) and
+chunks) in another, padded to the longest chunk and the longest table: no loop over sequences in a layer.
+Reads gather whole blocks (contiguous rows, far cheaper than gathering slot by slot) and mask what lies past
+each sequence. Index tensors are built once per step (`build_metadata`) and
 reused by every layer. The stores (worker/kv_cache.py) hide the cache's dtype: an int8 store quantizes what is
 written and dequantizes the blocks it gathers.
 """
@@ -45,20 +46,21 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
-class Prefill:
-    """One sequence with several new tokens."""
+class PrefillGroup:
+    """All sequences of a step with several new tokens, padded to the longest chunk Q and block table B."""
 
-    first_row: int
-    num_tokens: int
-    blocks: torch.Tensor  # [B] the blocks holding positions 0..start + num_tokens - 1
-    mask: torch.Tensor  # [1, 1, num_tokens, B * block_size]
+    rows: torch.Tensor  # [P * Q] their rows in the packed batch (padding: a real row, its result dropped)
+    real: torch.Tensor  # [R] which of the P * Q padded rows are real ...
+    dest: torch.Tensor  # [R] ... and their rows in the packed batch
+    blocks: torch.Tensor  # [P * B] their block tables, flattened (padding: block 0, masked out)
+    mask: torch.Tensor  # [P, 1, Q, B * block_size]; a padding query sees key 0 only (no all -inf row)
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slots: torch.Tensor  # [T] where each new token's K/V goes
     decode: DecodeGroup | None
-    prefills: list[Prefill]
+    prefill: PrefillGroup | None
 
 
 def _mask(q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -85,7 +87,7 @@ def build_metadata(
     divided by `block_div` to index the stores (an auto cache still in the model's dtype)."""
     offsets = torch.arange(block_size)
     new_slots: list[int] = []
-    prefills: list[Prefill] = []
+    pre_seqs: list[tuple[int, SeqSlice]] = []
     dec_rows: list[int] = []
     dec_seqs: list[SeqSlice] = []
     row = 0
@@ -101,11 +103,9 @@ def build_metadata(
             dec_seqs.append(s)
             new_slots.append(s.block_table[s.start // block_size] // block_div * block_size + s.start % block_size)
         else:
+            pre_seqs.append((row, s))
             table = torch.tensor(s.block_table[: -(-end // block_size)]) // block_div
-            slots = (table[:, None] * block_size + offsets).flatten()
-            mask = _mask(torch.arange(s.start, end), len(slots), sliding_window, dtype)
-            prefills.append(Prefill(row, s.num_tokens, table.to(device), mask[None, None].to(device)))
-            new_slots += slots[s.start : end].tolist()
+            new_slots += (table[:, None] * block_size + offsets).flatten()[s.start : end].tolist()
         row += s.num_tokens
     if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
         raise ValueError(
@@ -120,7 +120,43 @@ def build_metadata(
         mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
         rows = torch.tensor(dec_rows).to(device)
         decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
-    return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefills)
+    prefill = _prefill_group(pre_seqs, block_size, sliding_window, device, dtype, block_div) if pre_seqs else None
+    return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefill)
+
+
+def _prefill_group(
+    seqs: list[tuple[int, SeqSlice]],
+    block_size: int,
+    window: int | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_div: int,
+) -> PrefillGroup:
+    """The padded index tensors and masks of a step's prefill chunks ((first packed row, slice) each)."""
+    q_max = max(s.num_tokens for _, s in seqs)
+    used = [s.block_table[: -(-(s.start + s.num_tokens) // block_size)] for _, s in seqs]
+    b_max = max(len(u) for u in used)
+    length = b_max * block_size
+    rows = torch.empty(len(seqs), q_max, dtype=torch.int64)
+    mask = torch.zeros(len(seqs), 1, q_max, length, dtype=dtype)
+    real: list[int] = []
+    dest: list[int] = []
+    for i, (first, s) in enumerate(seqs):
+        n = s.num_tokens
+        rows[i] = first
+        rows[i, :n] = torch.arange(first, first + n)
+        mask[i, 0, :n] = _mask(torch.arange(s.start, s.start + n), length, window, dtype)
+        mask[i, 0, n:, 1:] = float("-inf")
+        real += range(i * q_max, i * q_max + n)
+        dest += range(first, first + n)
+    tables = torch.tensor([u + [0] * (b_max - len(u)) for u in used], dtype=torch.int64) // block_div
+    return PrefillGroup(
+        rows.flatten().to(device),
+        torch.tensor(real).to(device),
+        torch.tensor(dest).to(device),
+        tables.flatten().to(device),
+        mask.to(device),
+    )
 
 
 def attend(
@@ -154,22 +190,24 @@ def _over_cache(
         d = meta.decode
         # One query per sequence: lay the `group` query heads that share a KV head along the query axis, so
         # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
-        qd = (q if not meta.prefills else q[d.rows]).view(-1, kv_heads, group, dim)
+        qd = (q if meta.prefill is None else q.index_select(0, d.rows)).reshape(-1, kv_heads, group, dim)
         num = qd.shape[0]
         keys = k_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
         values = v_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
-        if not meta.prefills:
+        if meta.prefill is None:
             return od.reshape(t, heads * dim)
-        out[d.rows] = od
-    for p in meta.prefills:
-        # Repeat each KV head for its query heads (as transformers' repeat_kv): [1, H, L, dim].
-        length = p.mask.shape[-1]
-        keys = k_cache.read(p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
-        values = v_cache.read(p.blocks).view(length, kv_heads, 1, dim).expand(-1, -1, group, -1)
-        keys, values = keys.reshape(length, heads, dim), values.reshape(length, heads, dim)
-        rows = slice(p.first_row, p.first_row + p.num_tokens)
-        qp = q[rows].transpose(0, 1)[None]
-        op = F.scaled_dot_product_attention(qp, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], p.mask)
-        out[rows] = op[0].transpose(0, 1)
+        out.index_copy_(0, d.rows, od)
+    p = meta.prefill
+    if p is not None:
+        # Padded to [P, Q] queries over [P, L] keys; each KV head repeated for its query heads (as
+        # transformers' repeat_kv): [P, H, L, dim].
+        num, q_max, length = p.mask.shape[0], p.mask.shape[2], p.mask.shape[3]
+        qp = q.index_select(0, p.rows).view(num, q_max, heads, dim).transpose(1, 2)
+        keys = k_cache.read(p.blocks).view(num, length, kv_heads, 1, dim).expand(-1, -1, -1, group, -1)
+        values = v_cache.read(p.blocks).view(num, length, kv_heads, 1, dim).expand(-1, -1, -1, group, -1)
+        keys = keys.reshape(num, length, heads, dim).transpose(1, 2)
+        values = values.reshape(num, length, heads, dim).transpose(1, 2)
+        op = F.scaled_dot_product_attention(qp, keys, values, p.mask).transpose(1, 2).reshape(-1, heads, dim)
+        out.index_copy_(0, p.dest, op.index_select(0, p.real))
     return out.reshape(t, heads * dim)

@@ -25,6 +25,9 @@ class WorkerSettings(BaseModel):
     # Weights' and cache's dtype; "auto" is bfloat16 on CUDA and on CPUs with native bfloat16 matmuls
     # (AVX512-BF16, AMX, Arm BF16), float32 on other CPUs.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # Linear weights (worker/quant_linear.py): "dense" (the checkpoint in `dtype`), "int8" or "int4" (weight-only,
+    # quantized at load; CPU only), or "auto": int4 for steps of few tokens, dense for large ones (keeps both).
+    weights: Literal["auto", "dense", "int8", "int4"] = "dense"
     host: str = "127.0.0.1"
     # 0 picks a free port (the chosen one is printed).
     port: int = Field(default=50061, ge=0, le=65535)

@@ -14,6 +14,7 @@ import torch
 
 from worker.gguf_cache import cached_checkpoint, default_cache_dir
 from worker.loaded import LoadedModel, ModelLoadError
+from worker.quant_linear import WeightsMode, quantize_weights
 from worker.weights import load_hf_dir
 
 SMOLLM2 = "smollm2"
@@ -49,9 +50,20 @@ def load_model(
     builtin_seed: int = 0,
     cache_dir: Path | None = None,
     log: TextIO = sys.stderr,
+    weights: WeightsMode = "dense",
 ) -> LoadedModel:
-    """Raises ModelLoadError (one line naming the file and the problem) for anything that cannot be served."""
-    spec = resolve(spec, log)
+    """Raises ModelLoadError (one line naming the file and the problem) for anything that cannot be served.
+    `weights` other than dense quantizes the linears at load (worker/quant_linear.py; CPU only)."""
+    if weights != "dense" and device.type != "cpu":
+        raise ModelLoadError(f"--weights {weights}: the quantized kernels are CPU only; use dense on {device}")
+    loaded = _load(resolve(spec, log), device, dtype, builtin_seed, cache_dir, log)
+    quantize_weights(loaded.model, weights)
+    return loaded
+
+
+def _load(
+    spec: str, device: torch.device, dtype: torch.dtype, builtin_seed: int, cache_dir: Path | None, log: TextIO
+) -> LoadedModel:
     if spec == "builtin":
         from worker.builtin import build_builtin  # late: only this path needs it
 

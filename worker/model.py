@@ -123,11 +123,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_tables(inv_freq: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin for positions [0, length): [length, head_dim] each, in `dtype`.
+
+    The angles are computed as transformers does (position * inv_freq in float32, then cos/sin, then the
+    dtype), so a row gathered from here equals what it computes per step. The sin table's first half is
+    negated, so that rotation is x * cos + swap_halves(x) * sin, one fewer op than negating x per layer.
+    """
+    freqs = torch.arange(length, device=inv_freq.device).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    half = inv_freq.shape[0]
+    sin = angles.sin()
+    sin[:, :half].neg_()
+    return angles.cos().to(dtype), sin.to(dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE in the half-split layout of HF checkpoints. x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    """RoPE in the half-split layout of HF checkpoints: x [T, heads, head_dim]; cos/sin [T, 1, head_dim] from
+    rope_tables (sin sign-folded). Equals x * cos + cat(-x2, x1) * sin."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.addcmul(x * cos, torch.roll(x, half, dims=-1), sin)
 
 
 class RMSNorm(nn.Module):
@@ -137,10 +152,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32, then scale in the model dtype, as transformers does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # torch's fused kernel (one op instead of six); it accumulates in float32 for 16-bit inputs as
+        # transformers does, and rounds once at the end instead of before the scale (bf16 only).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -162,10 +176,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
-        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        out = attend(q, k, v.view(t, self.num_kv_heads, self.head_dim), cache[0], cache[1], meta)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(t, heads + 2 * kv_heads, self.head_dim)
+        # q and k rotated together: one rotation per layer instead of two.
+        qk = rotate(qkv[:, : heads + kv_heads], cos, sin)
+        out = attend(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :], cache[0], cache[1], meta)
         return self.o(out)
 
 
@@ -177,7 +192,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # SiLU then multiply in place: no tensor allocated for the product.
+        return self.down(F.silu(gate).mul_(up))
 
 
 class Block(nn.Module):
@@ -196,8 +212,9 @@ class Block(nn.Module):
         cache: tuple[KVStore, KVStore],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.mlp_norm(x))
+        # Residuals added in place: x is this step's own activation (the embedding output's copy).
+        x = x.add_(self.attn(self.attn_norm(x), cos, sin, cache, meta))
+        return x.add_(self.mlp(self.mlp_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -212,8 +229,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.head: nn.Module | None = None  # a quantized LM head, set by worker.quant_linear
         # Not in checkpoints: loaders that build on the meta device must set it again on the real device.
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._rope = (torch.empty(0, device="cpu"), torch.empty(0, device="cpu"))  # built by rope() when used
 
     def forward(
         self,
@@ -224,13 +243,25 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for packed tokens; writes their K/V into `caches`."""
         x = self.embed(token_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        # RoPE rows gathered once per step for all layers, from tables grown as positions need them.
+        cos, sin = self.rope(positions, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
         return self.norm(x)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin rows of `positions`, [T, head_dim] each."""
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._rope
+        if cos.shape[0] < need or cos.dtype != dtype or cos.device != positions.device:
+            # Powers of two up to max_position_embeddings: a few rebuilds per process, a small table.
+            length = min(max(256, 1 << (need - 1).bit_length()), max(need, self.config.max_position_embeddings))
+            cos, sin = self._rope = rope_tables(self.inv_freq.to(positions.device), length, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

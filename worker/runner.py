@@ -43,7 +43,7 @@ class ModelRunner:
         device = resolve_device(settings.device)
         dtype = resolve_dtype(settings.dtype, device)
         cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
-        loaded = load_model(settings.model, device, dtype, settings.builtin_seed, cache_dir)
+        loaded = load_model(settings.model, device, dtype, settings.builtin_seed, cache_dir, weights=settings.weights)
         budget = budget_bytes(settings, device)
         kv = settings.kv_cache_dtype
         num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget, kv)
