@@ -43,6 +43,17 @@ def bench_token() -> None:
     os.environ["COALESCE_AUTH__TOKENS"] = json.dumps({hashlib.sha256(token.encode()).hexdigest(): "bench"})
 
 
+def interrupt(proc: subprocess.Popen[str]) -> None:
+    """Ctrl-C (SIGINT), which lets a server drain and stop its children; kill -9 if it takes over 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
     xs = sorted(v for v in values if not math.isnan(v))
@@ -89,13 +100,7 @@ def serve(
             raise RuntimeError("coalesce serve did not start:\n" + "".join(lines[-40:]))
         yield address[0]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        interrupt(proc)
 
 
 def scrape(metrics_port: int) -> dict[str, float] | None:

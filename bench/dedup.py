@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:  # run as a script (`python bench/dedup.py`), the 
     sys.path.insert(0, str(ROOT))
 
 
-from bench.common import bench_token, free_port, percentile, redis_server  # noqa: E402
+from bench.common import bench_token, free_port, interrupt, percentile, redis_server  # noqa: E402
 from clients.aio import AsyncCoalesceClient  # noqa: E402
 from clients.client import CoalesceClient  # noqa: E402
 from clients.retry import NO_RETRY  # noqa: E402
@@ -97,13 +97,7 @@ class Coalesce:
 
     def stop(self) -> None:
         """Ctrl-C (SIGINT): drains in-flight requests and, for `serve`, stops its workers too."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc)
 
 
 @contextmanager

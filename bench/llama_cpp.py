@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -26,6 +25,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script (`python bench/llama_cpp.py`), the repo root is not on the path
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import interrupt  # noqa: E402
 
 CACHE = Path(os.environ.get("COALESCE_CACHE", Path.home() / ".cache" / "coalesce")) / "llama.cpp"
 TARGETS = ("llama-batched-bench", "llama-server")
@@ -151,13 +156,7 @@ def llama_server(gguf: Path, slots: int, slot_ctx: int, threads: int, port: int)
                 time.sleep(0.5)
             yield url
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            interrupt(proc)
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> tuple[float, int]:
