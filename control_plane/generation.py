@@ -57,12 +57,6 @@ class Generation:
         self.logprobs.append(logprob)
         self._notify()
 
-    def add_text(self, text: str) -> None:
-        """Text released after the last token (held-back characters flushed at the end)."""
-        if text and self.texts:
-            self.texts[-1] += text
-            self._notify()
-
     def finish(self, reason: int, now: float, error: ApiError | None = None) -> None:
         if self.done:
             return
