@@ -18,6 +18,7 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from control_plane.cancel import cancel_all
 from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
@@ -101,10 +102,7 @@ class Dispatcher:
     async def stop(self) -> None:
         for link in self.links:
             link.stop()
-        tasks = [*self._link_tasks.values(), *([self._sweeping] if self._sweeping else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([*self._link_tasks.values(), *([self._sweeping] if self._sweeping else [])])
 
     @property
     def info(self) -> worker_pb2.InfoResponse:
@@ -128,9 +126,7 @@ class Dispatcher:
             return
         self.links.remove(link)
         link.stop()
-        task = self._link_tasks.pop(link)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_all([self._link_tasks.pop(link)])
         self._move_all(link, [other for other in self.links if other.scheduler is not None])
 
     # -- the registry ------------------------------------------------------------------------------------
