@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from control_plane.config import Settings
 from control_plane.errors import invalid
 from control_plane.request import Request
-from control_plane.validation import Limits, check_idempotency_key, resolve_max_tokens, validate_generate
+from control_plane.validation import MAX_KEY_BYTES, Limits, resolve_max_tokens, validate_generate
 from dedup_service import BATCH_KEY_PREFIX, MAX_PAYLOAD_BYTES, fingerprint
 from protos.coalesce.v1 import inference_pb2, worker_pb2
 
@@ -40,7 +40,8 @@ def idempotency_key(request: inference_pb2.GenerateRequest, metadata: Metadata |
         raise invalid(prefix + "idempotency_key", f"differs from the {KEY_HEADER} header: send one key, or the same "
                       "in both", "IDEMPOTENCY_KEY_MISMATCH")  # fmt: skip
     where, key = (prefix + "idempotency_key", field) if field else (KEY_HEADER, header)
-    check_idempotency_key(key, where)
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise invalid(where, f"longer than {MAX_KEY_BYTES} bytes")
     if key.startswith(BATCH_KEY_PREFIX):  # batch items' keys: a caller's key must never collide with one
         raise invalid(where, f"keys starting with {BATCH_KEY_PREFIX!r} are reserved")
     return key

@@ -33,16 +33,15 @@ class BatchJobs:
 
     async def submit(self, request: inference_pb2.SubmitBatchRequest, tenant: str) -> inference_pb2.SubmitBatchResponse:
         requests = self._validate(request, tenant)  # every item is checked before any runs
-        queued = skipped = 0
         try:
-            for item, admitted in zip(request.items, requests, strict=True):
-                if await self.dedup.run_item(admitted, request.batch_id, item.seq_id):
-                    queued += 1
-                else:
-                    skipped += 1
+            ran = [
+                await self.dedup.run_item(admitted, request.batch_id, item.seq_id)
+                for item, admitted in zip(request.items, requests, strict=True)
+            ]
         except StoreUnavailable as exc:
             raise store_down(exc) from None
-        return inference_pb2.SubmitBatchResponse(batch_id=request.batch_id, queued=queued, skipped=skipped)
+        queued = sum(ran)
+        return inference_pb2.SubmitBatchResponse(batch_id=request.batch_id, queued=queued, skipped=len(ran) - queued)
 
     def _validate(self, request: inference_pb2.SubmitBatchRequest, tenant: str) -> list[Request]:
         if not 0 < len(request.batch_id) <= MAX_ID:

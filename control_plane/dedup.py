@@ -110,18 +110,17 @@ class Dedup:
                     self.journal.own(target.gen, name=request.request_id, epoch=epoch, key=request.key, log=False,
                                      fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
                 view = self.dispatcher.join(target, view_id, outcome, request.resumable)
-                if not request.key:
-                    await self._index(request, view.gen)
+                await self._index(request, view.gen)
             case Follow(log_id=log_id, view_id=view_id, key=key, content=content):
                 followed = self._mirror(log_id, request.tenant, key, request if content else None)
                 view = self.dispatcher.join(followed, view_id, COALESCED, request.resumable)
-                if not request.key:
-                    await self._index(request, view.gen)
-            case Lead(takeover=None):
+                await self._index(request, view.gen)
+            case Lead(takeover=None) as lead:
                 gen = Generation(request.request_id, request.tenant, prompt_tokens=len(request.prompt_ids))
                 view = self.dispatcher.submit(request, gen)
-                if decision.shared:
-                    self._own(gen, request, decision)
+                if lead.shared:
+                    self.journal.own(gen, epoch=lead.epoch, key=lead.key, content=lead.content, log=lead.log,
+                                     fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
             case Lead(takeover=record):
                 assert record is not None
                 view = await self._take_over(record)
@@ -130,8 +129,9 @@ class Dedup:
 
     async def _index(self, request: Request, gen: Generation) -> None:
         """A keyless request reading another's computation is indexed and logged under its own id too, so
-        that any replica can resume it by that id (docs/api.md, "Resume"). The store down: it runs without."""
-        if not self.store.shared:
+        that any replica can resume it by that id (docs/api.md, "Resume"). The store down: it runs without.
+        A keyed one is found through its key's record."""
+        if request.key or not self.store.shared:
             return
         try:
             if await self.store.start_request(request.tenant, request.request_id, self.journal.owner,
@@ -139,10 +139,6 @@ class Dedup:
                 self.journal.own(gen, name=request.request_id, flushed=0, payload=request.payload)
         except StoreUnavailable as exc:
             log.warning("request %s is not resumable elsewhere, the store is down: %s", request.request_id, exc)
-
-    def _own(self, gen: Generation, request: Request, lead: Lead) -> None:
-        self.journal.own(gen, epoch=lead.epoch, key=lead.key, content=lead.content, log=lead.log,
-                         fingerprint=request.fingerprint, payload=request.payload)  # fmt: skip
 
     def _report(self, decision: Decision, request_id: str) -> None:
         if decision.report is not None:

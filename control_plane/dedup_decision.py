@@ -108,7 +108,12 @@ class Decider:
             return Attach(leader, request.request_id, COALESCED, CONTENT_COALESCED)
         content = ""
         if self.store.shared and request.shareable:  # an identical request may run on another replica
-            claim = await self._claim_content(request)
+            try:  # lead the content key, or learn who does
+                claim: ContentClaim | None = await self.store.claim_content(
+                    request.tenant, request.fingerprint, request.request_id, self.owner, self.lease_s
+                )
+            except StoreUnavailable:
+                claim = None  # the request runs alone
             if claim is not None and not claim.leader:
                 here = self.registry.find(request.tenant, claim.request_id)
                 if here is not None and not here.done:  # it raced us here: read it directly
@@ -127,15 +132,6 @@ class Decider:
             except StoreUnavailable:
                 pass  # it runs unindexed: no duplicate can follow from that, only no cross-replica resume
         return Lead(("content", "miss"), content=content, log=indexed)
-
-    async def _claim_content(self, request: Request) -> ContentClaim | None:
-        """Lead the content key, or learn who does; None with the store down (the request runs alone)."""
-        try:
-            return await self.store.claim_content(
-                request.tenant, request.fingerprint, request.request_id, self.owner, self.lease_s
-            )
-        except StoreUnavailable:
-            return None
 
     async def _keyed(self, request: Request) -> Decision:
         res = await self.store.claim(

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from control_plane.cancel import cancel_all
 from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
 from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
@@ -101,16 +102,12 @@ class Dispatcher:
     async def stop(self) -> None:
         for link in self.links:
             link.stop()
-        tasks = [*self._link_tasks.values(), *([self._sweeping] if self._sweeping else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([*self._link_tasks.values(), *([self._sweeping] if self._sweeping else [])])
 
     @property
     def info(self) -> worker_pb2.InfoResponse:
         """The served model (the first worker's; every worker of a deployment serves the same one)."""
-        if self._model is None:
-            self._model = next(link.info for link in self.links if link.info is not None)
+        assert self._model is not None, "info before start()"
         return self._model
 
     # -- the workers -------------------------------------------------------------------------------------
@@ -129,13 +126,8 @@ class Dispatcher:
             return
         self.links.remove(link)
         link.stop()
-        task = self._link_tasks.pop(link)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        live = [other for other in self.links if other.scheduler is not None]
-        for gen, (where, seq) in list(self.running.items()):
-            if where is link:
-                self._move(gen, seq, live, link)
+        await cancel_all([self._link_tasks.pop(link)])
+        self._move_all(link, [other for other in self.links if other.scheduler is not None])
 
     # -- the registry ------------------------------------------------------------------------------------
     def find(self, tenant: str, request_id: str) -> View | None:
@@ -242,8 +234,16 @@ class Dispatcher:
         return len(queued)
 
     def release(self, gen: Generation) -> None:
-        """Stop computing `gen` here without finishing it (another replica computes it now)."""
-        self._unplace(gen)
+        """Stop computing `gen` here without finishing it (another replica computes it now, or it ended)."""
+        placed = self.running.pop(gen, None)
+        if placed is None:
+            return
+        link, seq = placed
+        link.abort(seq.seq_id)  # a no-op for a sequence its scheduler ended already
+        count = (seq.tenant, seq.pool)
+        self.per_tenant[count] -= 1
+        if not self.per_tenant[count]:
+            del self.per_tenant[count]
 
     def attach(self, gen: Generation) -> None:
         gen.subscribers += 1
@@ -259,7 +259,7 @@ class Dispatcher:
         return self._next_seq - 1
 
     def _route(self, seq: Sequence, links: list[WorkerLink] | None = None) -> WorkerLink:
-        candidates = [link for link in (links or self.links) if link.scheduler is not None]
+        candidates = [link for link in (self.links if links is None else links) if link.scheduler is not None]
         connected = [link for link in candidates if link.connected.is_set()] or candidates
         if not connected:
             raise unavailable("no worker is connected", "NO_WORKER_CONNECTED")
@@ -283,20 +283,9 @@ class Dispatcher:
 
     def _end(self, gen: Generation, reason: int, now: float, error: ApiError | None = None) -> None:
         gen.finish(reason, now, error)
-        self._unplace(gen)
+        self.release(gen)
         self.observer.on_finish(gen, now)
         self.journal.touch()
-
-    def _unplace(self, gen: Generation) -> None:
-        placed = self.running.pop(gen, None)
-        if placed is None:
-            return
-        link, seq = placed
-        link.abort(seq.seq_id)  # a no-op for a sequence its scheduler ended already
-        count = (seq.tenant, seq.pool)
-        self.per_tenant[count] -= 1
-        if not self.per_tenant[count]:
-            del self.per_tenant[count]
 
     # -- from the worker links ---------------------------------------------------------------------------
     def _on_step(
@@ -333,19 +322,19 @@ class Dispatcher:
         live = [other for other in self.links if other is not link and other.connected.is_set()]
         if cause == "replaced":
             live.append(link)
-        if not live:
-            return  # they wait in this link's queues for the worker to return
+        if live:  # else they wait in this link's queues for the worker to return
+            self._move_all(link, live)
+
+    def _move_all(self, source: WorkerLink, live: list[WorkerLink]) -> None:
         for gen, (where, seq) in list(self.running.items()):
-            if where is link:
-                self._move(gen, seq, live, link)
+            if where is source:
+                self._move(gen, seq, live, source)
 
     def _move(self, gen: Generation, seq: Sequence, live: list[WorkerLink], source: WorkerLink) -> None:
         """Recompute `gen` on one of `live` from its outputs so far (a new sequence id)."""
         source.abort(seq.seq_id)
         moved = seq.moved(self._new_seq_id())
         try:
-            if not live:
-                raise unavailable("no worker is connected", "NO_WORKER_CONNECTED")
             target = self._route(moved, live)
             self._enqueue(target, moved)
         except ApiError as err:

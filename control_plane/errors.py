@@ -65,14 +65,12 @@ def _pack(message: Message) -> any_pb2.Any:
 
 def invalid(field_path: str, description: str, reason: str = "INVALID_FIELD") -> ApiError:
     """INVALID_ARGUMENT for one field; the message names the field."""
-    return ApiError(
-        grpc.StatusCode.INVALID_ARGUMENT, f"{field_path}: {description}", reason, [(field_path, description)]
-    )
+    return invalid_fields([(field_path, description)], reason)
 
 
-def invalid_fields(violations: list[tuple[str, str]]) -> ApiError:
+def invalid_fields(violations: list[tuple[str, str]], reason: str = "INVALID_FIELD") -> ApiError:
     message = "; ".join(f"{f}: {d}" for f, d in violations)
-    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, "INVALID_FIELD", violations)
+    return ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, reason, violations)
 
 
 def unauthenticated(message: str) -> ApiError:

@@ -73,7 +73,6 @@ class Fleet:
         self.owner = owner
         self.settings = settings
         self.resolve = resolve or dns_resolver(settings.worker_dns_server)
-        self.known: list[str] = []  # the last look-up's answer
 
     async def run(self) -> None:
         while True:
@@ -88,7 +87,6 @@ class Fleet:
         if self.store.shared:  # counted among the replicas from the first turn (the journal beats it too)
             await self.store.heartbeat(self.owner, self.settings.lease_s)
         found = [a for a in await self.resolve(self.settings.worker_dns) if a not in self.settings.worker_addresses]
-        self.known = found
         driven = {link.address for link in self.dispatcher.links if link.address not in self.settings.worker_addresses}
         if self.store.shared:
             owners = await self.store.worker_owners()

@@ -55,13 +55,7 @@ class Generation:
         self.token_ids.append(token_id)
         self.texts.append(text)
         self.logprobs.append(logprob)
-        self._notify()
-
-    def add_text(self, text: str) -> None:
-        """Text released after the last token (held-back characters flushed at the end)."""
-        if text and self.texts:
-            self.texts[-1] += text
-            self._notify()
+        self.wake()
 
     def finish(self, reason: int, now: float, error: ApiError | None = None) -> None:
         if self.done:
@@ -69,7 +63,7 @@ class Generation:
         self.finish_reason = reason
         self.error = error
         self.finished_at = now
-        self._notify()
+        self.wake()
 
     def usage(self, completion_tokens: int | None = None) -> inference_pb2.Usage:
         return inference_pb2.Usage(
@@ -124,10 +118,7 @@ class Generation:
                 await self._wait()
 
     def wake(self) -> None:
-        """Wake every reader (a view was cancelled)."""
-        self._notify()
-
-    def _notify(self) -> None:
+        """Wake every reader (new tokens, the finish, or a view was cancelled)."""
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
         self._wake = None

@@ -49,7 +49,7 @@ def finish_info(gen: Generation) -> bytes:
     msg = inference_pb2.GenerateResponse(request_id=gen.request_id, finish_reason=gen.finish_reason)  # type: ignore[arg-type]
     msg.usage.CopyFrom(gen.usage())
     if gen.error is not None:
-        msg.text = f"{gen.error.code.name}: {gen.error.message}"
+        msg.text = str(gen.error)  # "CODE: message", as errors.stored_error reads it back
     return msg.SerializeToString()
 
 
@@ -181,8 +181,9 @@ class Replicator:
                     gen.tenant, o.key, self.owner, o.epoch, result.SerializeToString(), self.retention_s
                 )
             else:
+                error = str(gen.error) if gen.error is not None else "CANCELLED: the generation was cancelled"
                 await self.store.fail(
-                    gen.tenant, o.key, self.owner, o.epoch, _error_text(gen), self.retention_s, _retryable(gen.error)
+                    gen.tenant, o.key, self.owner, o.epoch, error, self.retention_s, _retryable(gen.error)
                 )
         del self.owned[(o.gen.tenant, o.name)]
 
@@ -197,12 +198,6 @@ def _entries(o: Owned, end: int) -> list[LogEntry]:
         LogEntry(gen.token_ids[i], gen.texts[i], lp.SerializeToString() if (lp := gen.logprobs[i]) else b"")
         for i in range(o.flushed, end)
     ]
-
-
-def _error_text(gen: Generation) -> str:
-    if gen.error is not None:
-        return f"{gen.error.code.name}: {gen.error.message}"
-    return "CANCELLED: the generation was cancelled"
 
 
 def _retryable(error: ApiError | None) -> bool:

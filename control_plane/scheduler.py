@@ -53,7 +53,6 @@ class Stats:
     waiting: dict[str, int]
     kv_used: int
     kv_free: int  # free + cached (evictable)
-    kv_cached: int
     kv_by_pool: dict[str, int]
     kv_int8: bool  # an auto cache has converted to int8 (block counts are int8 blocks from then on)
     prefix_queries: int  # tokens
@@ -164,7 +163,6 @@ class Scheduler:
             waiting,
             self.bm.num_used,
             self.bm.num_available,
-            self.bm.num_cached,
             {p: self.bm.used_by(p) for p in POOLS},
             self.bm.stride < self.bm.per_block,
             self.bm.queries,

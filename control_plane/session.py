@@ -18,6 +18,7 @@ from typing import Protocol
 import grpc
 
 from control_plane.admission import KEY_HEADER, Metadata, streams
+from control_plane.cancel import cancel_all
 from control_plane.config import Settings
 from control_plane.errors import ApiError, exhausted, invalid, out_of_range, stream_id_in_use, stream_not_found
 from control_plane.generation import View
@@ -147,7 +148,4 @@ class Session:
         await self.outbox.put(inference_pb2.SessionResponse(stream_id=sid, error=error))
 
     async def close(self) -> None:
-        tasks = list(self.tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(self.tasks.values())

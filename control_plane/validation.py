@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from control_plane.chat import ChatTemplate, message_violations
 from control_plane.config import Settings
-from control_plane.errors import ApiError, invalid, invalid_fields, too_long
+from control_plane.errors import invalid_fields, too_long
 from protos.coalesce.v1 import inference_pb2, worker_pb2
 
 MAX_REQUEST_ID_CHARS = 128
@@ -124,12 +124,3 @@ def resolve_max_tokens(prompt_tokens: int, requested: int, limits: Limits, prefi
             f"exceeds the model's context of {limits.max_context} tokens",
         )
     return requested
-
-
-def check_idempotency_key(key: str, where: str) -> None:
-    """`where`: the field path or header the key came from."""
-    if len(key.encode()) > MAX_KEY_BYTES:
-        raise invalid(where, f"longer than {MAX_KEY_BYTES} bytes")
-
-
-__all__ = ["ApiError", "Limits", "check_idempotency_key", "resolve_max_tokens", "validate_generate"]

@@ -104,13 +104,7 @@ class WorkerLink:
 
     async def _connect(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
         info = await stub.Info(worker_pb2.InfoRequest(), timeout=10, metadata=self._metadata)
-        geometry = (info.num_blocks, info.block_size, info.max_context, info.kv_block_units)
-        replaced = self.info is not None and geometry != (
-            self.info.num_blocks,
-            self.info.block_size,
-            self.info.max_context,
-            self.info.kv_block_units,
-        )
+        replaced = self.info is not None and _geometry(info) != _geometry(self.info)
         if self.scheduler is None or replaced:
             pools, sched = self.settings.pools, self.settings.scheduler
             self.scheduler = Scheduler(
@@ -185,7 +179,11 @@ class WorkerLink:
         if was_connected:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
-        if was_connected:
             self.on_lost(self, len(requeued), "lost")
         elif self.scheduler.has_work():  # still down: what waits here may move to a worker that is up
             self.on_lost(self, 0, "down")
+
+
+def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int, int]:
+    """What the scheduler is built for: a worker that comes back with another cache needs a new one."""
+    return info.num_blocks, info.block_size, info.max_context, info.kv_block_units

@@ -28,34 +28,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def worker_command(settings: WorkerSettings, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "clients.cli",
-        "worker",
-        "--model",
-        settings.model,
-        "--device",
-        settings.device,
-        "--dtype",
-        settings.dtype,
-        "--weights",
-        settings.weights,
-        "--kv-cache-mb",
-        str(settings.kv_cache_mb),
-        "--kv-cache-dtype",
-        settings.kv_cache_dtype,
-        "--block-size",
-        str(settings.block_size),
-        "--cache-dir",
-        settings.cache_dir,
-        "--host",
-        settings.host,
-        "--port",
-        str(port),
-        "--parent-pid",
-        str(os.getpid()),
-    ]
+    flags = {
+        "--model": settings.model,
+        "--device": settings.device,
+        "--dtype": settings.dtype,
+        "--weights": settings.weights,
+        "--kv-cache-mb": settings.kv_cache_mb,
+        "--kv-cache-dtype": settings.kv_cache_dtype,
+        "--block-size": settings.block_size,
+        "--cache-dir": settings.cache_dir,
+        "--host": settings.host,
+        "--port": port,
+        "--parent-pid": os.getpid(),
+    }
+    return [sys.executable, "-m", "clients.cli", "worker", *(str(part) for flag in flags.items() for part in flag)]
 
 
 @dataclass

@@ -123,10 +123,7 @@ class TelemetryObserver(Observer):
         return snaps
 
     def _meter(self, worker: str, now: float) -> BusyMeter:
-        meter = self._busy.get(worker)
-        if meter is None:
-            meter = self._busy[worker] = BusyMeter(now)
-        return meter
+        return self._busy.setdefault(worker, BusyMeter(now))
 
     # -- request hooks -----------------------------------------------------------------------------------
     def on_request(self, gen: Generation, request: Request, now: float) -> None:

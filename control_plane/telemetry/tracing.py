@@ -30,14 +30,10 @@ _provider: TracerProvider | None = None
 _EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
 
 
-def tracing_enabled() -> bool:
-    return bool(os.environ.get(ENDPOINT_ENV))
-
-
 def setup_tracing(service_name: str = "coalesce-control-plane") -> TracerProvider | None:
     """Install the OTLP-exporting provider when the endpoint is configured (call after spawning workers)."""
     global _provider
-    if not tracing_enabled():
+    if not os.environ.get(ENDPOINT_ENV):
         return None
     if _provider is None:
         # Imported here: the exporter pulls in a gRPC channel we do not want to build when tracing is off.
