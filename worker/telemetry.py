@@ -2,7 +2,8 @@
 
 On only when `OTEL_EXPORTER_OTLP_ENDPOINT` is set (`coalesce serve` passes its environment to the workers it
 spawns, so they export to the same collector). A step serves many requests, so it starts its own trace and
-carries one span link per distinct request traceparent (SequenceWork.traceparent) instead of a parent.
+carries one span link per distinct request traceparent (SequenceWork.traceparent) instead of a parent. A
+step with no sampled request is not exported.
 
 Why not the SDK's Span objects: a step links to every request in it, and through the SDK each link costs
 ~25 us (a Link, its attributes wrapped twice, then the Python OTLP encoder): ~0.8 ms of CPU per step of 32
@@ -47,7 +48,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _link(traceparent: str, seq_id: int) -> trace_pb2.Span.Link | None:
-    """The span link to a request's W3C traceparent (None when it does not parse or is all zeros)."""
+    """The span link to a request's W3C traceparent (None when it does not parse, is all zeros, or the request
+    was not sampled: its spans were never exported, so a link would point at nothing)."""
     parts = traceparent.split("-")
     if len(parts) != 4 or len(parts[1]) != 32 or len(parts[2]) != 16 or len(parts[3]) != 2:
         return None
@@ -55,7 +57,7 @@ def _link(traceparent: str, seq_id: int) -> trace_pb2.Span.Link | None:
         trace_id, span_id, flags = bytes.fromhex(parts[1]), bytes.fromhex(parts[2]), int(parts[3], 16)
     except ValueError:
         return None
-    if not any(trace_id) or not any(span_id):
+    if not any(trace_id) or not any(span_id) or not flags & 0x01:
         return None
     attrs = [_kv("coalesce.seq_id", seq_id)]
     return trace_pb2.Span.Link(trace_id=trace_id, span_id=span_id, flags=flags | _HAS_IS_REMOTE | _IS_REMOTE,
@@ -186,6 +188,8 @@ class StepSpans:
                 link = self._link(work.traceparent, work.seq_id)
                 if link is not None:
                     links.append(link)
+        if not links:  # no traced request in this step: nothing would ever find its span
+            return
         attrs = [
             _kv("coalesce.step.id", req.step_id),
             _kv("coalesce.step.batch_size", len(req.seqs)),

@@ -10,6 +10,7 @@ from worker.telemetry import StepSpans
 
 A = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 B = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+UNSAMPLED = "00-5bf92f3577b34da6a3ce929d0e0e4736-10f067aa0ba902b7-00"
 
 
 def _step(step_id: int, parents: list[str]) -> tuple[worker_pb2.StepRequest, worker_pb2.StepResponse]:
@@ -26,9 +27,11 @@ def test_a_step_links_each_request_once_and_carries_its_sizes() -> None:
     sent: list[ExportTraceServiceRequest] = []
     spans = StepSpans(sent.append, Resource.create({"service.name": "coalesce-worker"}))
     try:
-        # seq 2 repeats A (one link per distinct request); "" and a malformed one are not linked.
-        req, resp = _step(7, [A, B, A, "", "00-zz-yy-01"])
+        # seq 2 repeats A (one link per distinct request); "", a malformed and an unsampled one are not linked.
+        req, resp = _step(7, [A, B, A, "", "00-zz-yy-01", UNSAMPLED])
         spans.record(req, resp, start_ns=1_000)
+        req, resp = _step(8, ["", UNSAMPLED])  # nothing traced in this step: no span
+        spans.record(req, resp, start_ns=2_000)
         spans.flush()
     finally:
         spans.shutdown()
@@ -41,8 +44,8 @@ def test_a_step_links_each_request_once_and_carries_its_sizes() -> None:
     assert span.name == "worker.step" and span.start_time_unix_nano == 1_000 < span.end_time_unix_nano
     assert len(span.trace_id) == 16 and len(span.span_id) == 8 and not span.parent_span_id
     attrs = {kv.key: kv.value for kv in span.attributes}
-    assert attrs["coalesce.step.id"].int_value == 7 and attrs["coalesce.step.batch_size"].int_value == 5
-    assert attrs["coalesce.step.tokens"].int_value == 5 and attrs["coalesce.step.sampled"].int_value == 5
+    assert attrs["coalesce.step.id"].int_value == 7 and attrs["coalesce.step.batch_size"].int_value == 6
+    assert attrs["coalesce.step.tokens"].int_value == 6 and attrs["coalesce.step.sampled"].int_value == 6
     assert attrs["coalesce.step.forward_ms"].double_value == 2.5
     links = [(lk.trace_id.hex(), lk.span_id.hex(), lk.attributes[0].value.int_value) for lk in span.links]
     assert links == [(A[3:35], A[36:52], 0), (B[3:35], B[36:52], 1)]
