@@ -63,7 +63,6 @@ class _Request:
     trace_id: str = ""
     span: Span | None = None  # the request's span (the server span, or our own on a Session)
     owned: bool = False  # we started `span`, so we end it
-    phase: Span | None = None  # the open prefill or decode span
     dwell: float = 0.0
     first: float | None = None  # first token
     tokens: int = 0
@@ -189,8 +188,6 @@ class TelemetryObserver(Observer):
             attrs: dict[str, str | float] = {"coalesce.batch.dwell_ms": dwell * 1000, "coalesce.pool": seq.pool}
             buffer = self.tracer.start_span("batch.buffer", parent, attributes=attrs, start_time=epoch_ns(seq.arrival))
             buffer.end(epoch_ns(admitted))
-            req.phase = self.tracer.start_span("prefill", parent, start_time=epoch_ns(admitted))
-            req.phase.set_attribute("gen_ai.usage.cache_read.input_tokens", seq.cached_prompt_tokens)
 
     def on_tokens(self, gen: Generation, count: int, now: float) -> None:
         req = self._requests.get(gen.request_id)
@@ -206,13 +203,9 @@ class TelemetryObserver(Observer):
         ttft = now - req.start
         self.metrics.ttft.labels(*req.labels).observe(ttft)
         self.metrics.ttft_no_queue.labels(*req.labels).observe(max(0.0, ttft - req.dwell))
-        if req.span is not None and self.tracer is not None:
-            if req.span.is_recording():
-                req.span.set_attribute("gen_ai.response.time_to_first_chunk", ttft)
-            if req.phase is not None:
-                req.phase.end(epoch_ns(now))
-            parent = trace.set_span_in_context(req.span)
-            req.phase = self.tracer.start_span("decode", parent, start_time=epoch_ns(now))
+        # No prefill / decode spans: this attribute and `batch.buffer` place the first token (docs/observability.md).
+        if req.span is not None and req.span.is_recording():
+            req.span.set_attribute("gen_ai.response.time_to_first_chunk", ttft)
 
     def on_finish(self, gen: Generation, now: float) -> None:
         req = self._requests.pop(gen.request_id, None)
@@ -232,9 +225,6 @@ class TelemetryObserver(Observer):
 
     def _end_spans(self, req: _Request, gen: Generation, reason: str, now: float) -> None:
         assert req.span is not None
-        if req.phase is not None:
-            req.phase.set_attribute("coalesce.output_tokens", req.tokens)
-            req.phase.end(epoch_ns(now))
         if req.span.is_recording():  # a caller that hung up ended the server span already
             req.span.set_attributes({
                 "gen_ai.usage.input_tokens": gen.prompt_tokens,

@@ -37,11 +37,11 @@ def setup_tracing(service_name: str = "coalesce-control-plane") -> TracerProvide
         return None
     if _provider is None:
         # Imported here: the exporter pulls in a gRPC channel we do not want to build when tracing is off.
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from control_plane.telemetry.otlp import LeanSpanExporter
 
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
         _provider = TracerProvider(resource=resource)
-        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        _provider.add_span_processor(BatchSpanProcessor(LeanSpanExporter()))
         trace.set_tracer_provider(_provider)
     return _provider
 
