@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from bench.serve_load import Request, Row, Timing, run_static
 
@@ -69,12 +69,17 @@ class ContinuousPeer:
 
 
 @contextmanager
-def continuous_peer(model: torch.nn.Module, warmup: list[Request]) -> Iterator[ContinuousPeer]:
-    """Start the manager, run `warmup` through it (untimed), yield it; stop it on exit."""
+def continuous_peer(model: torch.nn.Module, warmup: list[Request], work: list[Request]) -> Iterator[ContinuousPeer]:
+    """Start the manager, run `warmup` through it (untimed), yield it; stop it on exit. Its paged cache holds
+    all of `work` at once: left to size itself, it takes 90 % of free memory (on a CPU, of the machine's RAM: a
+    SmolLM2 bfloat16 run took 12.9 GB and was killed for it)."""
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=16)
+    page = ContinuousBatchingConfig.page_size
+    blocks = sum(-(-(len(r.prompt) + r.max_tokens) // page) for r in work)
     with model.continuous_batching_context_manager(  # type: ignore[operator]
-        generation_config=config, block=True, timeout=10, warmup=False
-    ) as manager:
+        generation_config=config, block=True, timeout=10, warmup=False,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks),
+    ) as manager:  # fmt: skip
         peer = ContinuousPeer(manager)
         peer.run([Request(r.prompt, r.max_tokens, 0.0) for r in warmup])
         yield peer

@@ -239,7 +239,7 @@ class Runner:
     def peers(self, step: Callable[[str], None]) -> None:
         model = load_hf(self.args.model, self.dtype)
         single = None
-        with continuous_peer(model, self.work[:8]) as cb:
+        with continuous_peer(model, self.work[:8], self.work) as cb:
             for frac in self.plan.loads:
                 step(f"peers at {frac:.0%} load")
                 work = at_rate(self.work, frac * self.capacity_req_s)
