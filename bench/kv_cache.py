@@ -77,12 +77,12 @@ def capacity(name: str, config: ModelConfig, mb: int, context: int) -> list[str]
 
 
 # -- 2. decode speed ---------------------------------------------------------------------------------------
-def decode_speed(model: str, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+def decode_speed(model: str, dtype: str, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
     need = batch * -(-(context + steps + 1) // BLOCK_SIZE)
     engines = {}
     for kv in ("model", "int8"):
-        mb = -(-need * block_bytes(model_config(model), BLOCK_SIZE, torch.float32, kv) // 2**20) + 1
-        settings = WorkerSettings(model=model, device="cpu", dtype="float32", kv_cache_mb=mb, kv_cache_dtype=kv)
+        mb = -(-need * block_bytes(model_config(model), BLOCK_SIZE, getattr(torch, dtype), kv) // 2**20) + 1
+        settings = WorkerSettings(model=model, device="cpu", dtype=dtype, kv_cache_mb=mb, kv_cache_dtype=kv)  # type: ignore[arg-type]
         engines[kv] = Engine(ModelRunner.from_settings(settings))
     work = prompts(batch, context, engines["model"].vocab_size)
     best = {kv: 0.0 for kv in engines}
@@ -201,7 +201,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="capacity: the budget compared")
     parser.add_argument("--capacity-context", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--context", type=int, nargs="+", default=[256, 1024, 2000], help="decode: prompt lengths")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], help="decode: model dtypes")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--convert-mb", type=int, default=256, help="the auto cache converted (256: the CPU default)")
@@ -209,7 +210,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the report (markdown) to this file")
     args = parser.parse_args()
     if args.quick:
-        args.batch, args.context, args.steps, args.repeats, args.convert_mb, args.requests = 4, 64, 4, 1, 8, 8
+        args.batch, args.context, args.steps, args.repeats, args.convert_mb, args.requests = 4, [64], 4, 1, 8, 8
     model = args.model or "builtin"
     threads = torch.get_num_threads()
     lines = [f"KV cache: int8 against the model's dtype ({threads} CPU threads; shared machine, noisy times)", ""]
@@ -226,16 +227,17 @@ def main() -> None:
         lines += capacity(Path(shape).name, model_config(shape), args.kv_cache_mb, args.capacity_context)
 
     print("decode speed...", file=sys.stderr, flush=True)
-    fp32, int8 = decode_speed(model, args.batch, args.context, args.steps, args.repeats)
     lines += [
         "",
-        f"Decode, batch {args.batch}, {args.context}-token prompts, {args.steps} steps, {model} on CPU (best of "
-        f"{args.repeats}):",
+        f"Decode, batch {args.batch}, {args.steps} steps, {model} on CPU (best of {args.repeats}, alternating):",
         "",
-        "| float32 cache tok/s | int8 cache tok/s | int8 / float32 |",
-        "|---:|---:|---:|",
-        f"| {fp32:,.0f} | {int8:,.0f} | {int8 / fp32:.2f}x |",
+        "| model dtype | prompt tokens | model-dtype cache tok/s | int8 cache tok/s | int8 / model dtype |",
+        "|---|---:|---:|---:|---:|",
     ]
+    for dtype in args.dtype:
+        for context in args.context:
+            plain, int8 = decode_speed(model, dtype, args.batch, context, args.steps, args.repeats)
+            lines.append(f"| {dtype} | {context:,} | {plain:,.0f} | {int8:,.0f} | {int8 / plain:.2f}x |")
 
     print("conversion...", file=sys.stderr, flush=True)
     lines += [

@@ -53,7 +53,7 @@ def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
 
 def decode_scale(code: torch.Tensor) -> torch.Tensor:
     """Scale codes -> float32 scales."""
-    return torch.exp2(code * (1 / STEPS) + MIN_LOG2)
+    return torch.exp2(code.float().mul_(1 / STEPS).add_(MIN_LOG2))
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +67,8 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of `quantize`, in `dtype`: one multiply that reads the int8 values directly."""
-    grouped = q.view(*code.shape, -1)
-    return torch.mul(grouped, decode_scale(code).to(dtype).unsqueeze(-1)).view(q.shape)
+    """The inverse of `quantize`, in `dtype`: a conversion, then a multiply in place. Two passes, both in one
+    dtype: on the CPU one multiply of int8 by floats (mixed dtypes) is not vectorized and took 3-4x longer."""
+    x = q.to(dtype)
+    x.view(*code.shape, -1).mul_(decode_scale(code).to(dtype).unsqueeze(-1))
+    return x
