@@ -182,5 +182,9 @@ def closed_loop(url: str, work: list[tuple[list[int], int]], concurrency: int) -
 
 
 if __name__ == "__main__":
+    import argparse
+
+    # No options, but --help must explain rather than start a ten-minute build.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for name, path in build().items():
         print(f"{name}: {path}")
