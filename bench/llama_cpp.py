@@ -10,6 +10,7 @@ No torch here, so importing it is cheap.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -182,8 +183,6 @@ def closed_loop(url: str, work: list[tuple[list[int], int]], concurrency: int) -
 
 
 if __name__ == "__main__":
-    import argparse
-
     # No options, but --help must explain rather than start a ten-minute build.
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for name, path in build().items():
