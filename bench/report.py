@@ -23,7 +23,8 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -126,9 +127,13 @@ class Runner:
         self.bimodal_reqs: list[Request] = []
         self.stage_s: list[tuple[str, float]] = []  # (stage, seconds it took)
 
-    def serve(self, env: dict[str, str] | None = None) -> Any:
+    @contextmanager
+    def serve(self, env: dict[str, str] | None = None) -> Iterator[str]:
+        """A `coalesce serve` with `env`'s settings, warmed up (8 requests), its address yielded."""
         self.metrics_port = free_port()
-        return serve(self.args.model, BATCH, self.metrics_port, env, self.dtype_name)
+        with serve(self.args.model, BATCH, self.metrics_port, env, self.dtype_name) as address:
+            asyncio.run(run_closed(address, self.work[:8], 8))
+            yield address
 
     def bimodal_work(self) -> list[Request]:
         n, short, long, new = self.plan.bimodal
@@ -140,7 +145,6 @@ class Runner:
     def default_server(self, step: Callable[[str], None]) -> None:
         plan = self.plan
         with self.serve() as address:
-            asyncio.run(run_closed(address, self.work[:8], 8))  # warm-up
             step("closed loops")
             # Repeated so that each run lasts seconds; streamed and not alternate, so drift hits both alike.
             work = self.work * plan.closed_reps
@@ -191,7 +195,6 @@ class Runner:
     def max_wait_server(self, wait: int, step: Callable[[str], None]) -> None:
         env = {"COALESCE_POOLS__INTERACTIVE__MAX_WAIT_MS": str(wait)}
         with self.serve(env) as address:
-            asyncio.run(run_closed(address, self.work[:8], 8))
             work = at_rate(self.work, self.plan.sweep_load * self.capacity_req_s)
             before = trials.steps_and_tokens(self.metrics_port)
             self.sweep_point(wait, coalesce_row("sweep", asyncio.run(run_poisson(address, work))), before)
@@ -205,7 +208,6 @@ class Runner:
     # -- stage 3 ------------------------------------------------------------------------------------------
     def rule_off(self) -> None:
         with self.serve({"COALESCE_SCHEDULER__PREFILL_RATIO": "1000000"}) as address:
-            asyncio.run(run_closed(address, self.work[:8], 8))
             self.bimodal_rows["off"] = coalesce_row("off", asyncio.run(run_poisson(address, self.bimodal_reqs)))
         on, off = self.bimodal_rows["on"], self.bimodal_rows["off"]
         self.ratios.append(
@@ -222,7 +224,6 @@ class Runner:
         streams, long_len, longs, gap = self.plan.interference
         big = str(4 * (long_len + BATCH))  # a long prompt always fits one step: no chunking
         with self.serve({"COALESCE_SCHEDULER__MAX_STEP_TOKENS": big}) as address:
-            asyncio.run(run_closed(address, self.work[:8], 8))
             self.interference["off"] = asyncio.run(trials.interference(address, streams, long_len, longs, gap))
         on, off = self.interference["on"], self.interference["off"]
         self.ratios.append(
