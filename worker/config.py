@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -38,9 +40,17 @@ class WorkerSettings(BaseModel):
     # quarter of float32), or "auto": the model's dtype until the scheduler runs short of blocks, then the
     # whole cache converts to int8 instead of preempting (docs/kv_cache.md).
     kv_cache_dtype: Literal["model", "int8", "auto"] = "model"
+    # C++ kernels (worker/kernels/) for decode attention and int8 cache writes on the CPU, compiled with the
+    # system's g++ on first use; false, or no compiler: torch ops only.
+    cpu_kernels: bool = True
     # Tokens per KV block.
     block_size: int = Field(default=16, ge=1, le=1024)
     # Seed of the built-in model's weights.
     builtin_seed: int = 0
     # Where GGUF checkpoints are converted to once; "" means $XDG_CACHE_HOME/coalesce (~/.cache/coalesce).
     cache_dir: str = ""
+
+
+def default_cache_dir() -> Path:
+    """Where a worker caches what it derives once (converted checkpoints, built kernels) unless told otherwise."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coalesce"

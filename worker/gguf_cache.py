@@ -28,10 +28,6 @@ FORMAT = 1  # bump when the layout of an entry changes: old entries are then sim
 MANIFEST = "MANIFEST.json"
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coalesce"
-
-
 def cached_checkpoint(gguf: Path, dtype: torch.dtype, cache_dir: Path, log: TextIO = sys.stderr) -> Path:
     """The converted checkpoint directory of `gguf` in `dtype`, converting it first when needed."""
     if not gguf.is_file():

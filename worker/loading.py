@@ -12,7 +12,8 @@ from typing import TextIO
 
 import torch
 
-from worker.gguf_cache import cached_checkpoint, default_cache_dir
+from worker.config import default_cache_dir
+from worker.gguf_cache import cached_checkpoint
 from worker.loaded import LoadedModel, ModelLoadError
 from worker.quant_linear import WeightsMode, quantize_weights
 from worker.weights import load_hf_dir
