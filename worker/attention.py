@@ -2,12 +2,13 @@
 
 Each step first writes its new K/V into cache slots (slot = block_table[pos // bs] * bs + pos % bs), then each
 sequence's new queries attend causally over its whole cached context, read through its block table.
-Single-token sequences (decodes) are attended in one batched gather + masked SDPA call; longer ones (prefill
-chunks) in another, padded to the longest chunk and the longest table: no loop over sequences in a layer.
-Reads gather whole blocks (contiguous rows, far cheaper than gathering slot by slot) and mask what lies past
-each sequence. Index tensors are built once per step (`build_metadata`) and
-reused by every layer. The stores (worker/kv_cache.py) hide the cache's dtype: an int8 store quantizes what is
-written and dequantizes the blocks it gathers.
+Single-token sequences (decodes) are attended together; longer ones (prefill chunks) in one padded SDPA call:
+no loop over sequences in a layer. On the CPU, decodes run in worker/kernels/paged_attention.cpp, which reads
+each cached row where it lies; elsewhere (CUDA, `cpu_kernels=false`, a float16 cache) and for prefill chunks,
+reads gather whole blocks (contiguous rows, far cheaper than gathering slot by slot) into one masked SDPA call.
+Index tensors are built once per step (`build_metadata`) and reused by every layer. The stores
+(worker/kv_cache.py) hide the cache's dtype: an int8 store quantizes what is written and dequantizes the blocks
+it gathers (the kernel reads int8 and applies the scales itself).
 """
 
 from __future__ import annotations
@@ -19,11 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from worker.batch import PackedBatch, SeqSlice
+from worker.kernels import paged_attention
 from worker.kv_quant import rotate
 
 
 class KVStore(Protocol):
     """K or V of one layer in the paged cache (the stores of worker/kv_cache.py)."""
+
+    data: torch.Tensor  # [blocks, block_size, KV, D], in the model's dtype or int8
+    scales: torch.Tensor | None  # int8: scale codes [blocks, block_size, KV, groups]
+    kernel: bool  # decode attention reads it with worker/kernels/paged_attention.py
 
     @property
     def rotation(self) -> torch.Tensor | None:
@@ -43,6 +49,8 @@ class DecodeGroup:
     rows: torch.Tensor  # [D] their rows in the packed batch
     blocks: torch.Tensor  # [D * B] their block tables, flattened (padding: block 0, masked out)
     mask: torch.Tensor  # [D, 1, 1, B * block_size] 0 where the query may attend, -inf elsewhere
+    lengths: torch.Tensor  # [D] int64, positions cached per sequence (this step's included): for the kernel
+    window: int | None  # the sliding window, if any
 
 
 @dataclass(slots=True)
@@ -119,7 +127,8 @@ def build_metadata(
         tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64) // block_div
         mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
         rows = torch.tensor(dec_rows).to(device)
-        decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device))
+        lengths = torch.tensor([s.start + 1 for s in dec_seqs], dtype=torch.int64).to(device)
+        decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device), lengths, sliding_window)
     prefill = _prefill_group(pre_seqs, block_size, sliding_window, device, dtype, block_div) if pre_seqs else None
     return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefill)
 
@@ -190,11 +199,17 @@ def _over_cache(
         d = meta.decode
         # One query per sequence: lay the `group` query heads that share a KV head along the query axis, so
         # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
-        qd = (q if meta.prefill is None else q.index_select(0, d.rows)).reshape(-1, kv_heads, group, dim)
-        num = qd.shape[0]
-        keys = k_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
-        values = v_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
+        qd = q if meta.prefill is None else q.index_select(0, d.rows)
+        if k_cache.kernel:
+            od = paged_attention.decode(
+                qd, k_cache.data, v_cache.data, d.blocks, d.lengths, d.window, k_cache.scales, v_cache.scales
+            )
+        else:
+            qd = qd.reshape(-1, kv_heads, group, dim)
+            num = qd.shape[0]
+            keys = k_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+            values = v_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
         if meta.prefill is None:
             return od.reshape(t, heads * dim)
         out.index_copy_(0, d.rows, od)

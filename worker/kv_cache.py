@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from worker.config import WorkerSettings
+from worker.kernels import paged_attention
 from worker.kv_quant import SCALE_DTYPE, dequantize, groups, quantize, rotation
 from worker.model import ModelConfig
 
@@ -64,10 +65,12 @@ class PlainStore:
     """K or V of one layer in the model's dtype."""
 
     rotation = None  # stored as they come
+    scales = None
 
-    def __init__(self, data: torch.Tensor) -> None:
+    def __init__(self, data: torch.Tensor, kernels: bool) -> None:
         self.data = data  # [blocks, block_size, kv_heads, head_dim]
         self._rows = data.view(-1, *data.shape[2:])
+        self.kernel = kernels and paged_attention.supports(data)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         """x: [T, kv_heads, head_dim] into rows `slots` (block * block_size + offset)."""
@@ -85,13 +88,19 @@ class Int8Store:
     """K or V of one layer in int8, rotated by `rotation`, with scales per (token, KV head, channel group); reads
     dequantize to `dtype` (still rotated: attention rotates its queries and outputs to match)."""
 
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor) -> None:
+    def __init__(
+        self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, rotation: torch.Tensor, kernels: bool
+    ) -> None:
         self.data, self.scales, self.dtype = data, scales, dtype  # [blocks, bs, kv, dim] int8; [blocks, bs, kv, g]
         self.rotation = rotation  # [dim, dim] float32
         self._rows = data.view(-1, *data.shape[2:])
         self._scale_rows = scales.view(-1, *scales.shape[2:])
+        self.kernel = kernels and paged_attention.supports(data)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        if self.kernel:
+            paged_attention.quantize_write(x.float() @ self.rotation, slots, self._rows, self._scale_rows)
+            return
         q, scale = quantize(x.float() @ self.rotation)
         self._rows.index_copy_(0, slots, q)
         self._scale_rows.index_copy_(0, slots, scale)
@@ -120,10 +129,12 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: KVDtype = "model",
+        kernels: bool = True,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"KV cache needs at least one block, got {num_blocks} (raise kv_cache_mb?)")
         self.kv_dtype, self.dtype = kv_dtype, dtype
+        self.kernels = kernels  # worker/kernels where they support the stores (else torch ops)
         self.units = units_per_block(dtype) if kv_dtype == "auto" else 1
         if num_blocks % self.units:
             raise ValueError(f"an auto KV cache needs a multiple of {self.units} blocks, got {num_blocks}")
@@ -157,9 +168,12 @@ class KVCache:
         if self.int8:
             shape = (self.num_blocks, *self._data[0].shape[1:])
             views = [d.view(torch.int8).view(shape) for d in self._data]
-            stores = [Int8Store(v, s, self.dtype, self.rotation) for v, s in zip(views, self._scales, strict=True)]
+            stores = [
+                Int8Store(v, s, self.dtype, self.rotation, self.kernels)
+                for v, s in zip(views, self._scales, strict=True)
+            ]
         else:
-            stores = [PlainStore(d) for d in self._data]
+            stores = [PlainStore(d, self.kernels) for d in self._data]
         return list(zip(stores[0::2], stores[1::2], strict=True))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -28,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: KVDtype = "model",
+        kernels: bool = True,
     ) -> None:
         if not isinstance(loaded.model, Transformer):
             raise TypeError(f"expected a worker.model.Transformer, got {type(loaded.model).__name__}")
@@ -35,7 +36,7 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.dtype = device, dtype
         self.max_context = loaded.config.max_position_embeddings
-        self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype, kv_dtype)
+        self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype, kv_dtype, kernels)
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ModelRunner:
@@ -47,7 +48,7 @@ class ModelRunner:
         budget = budget_bytes(settings, device)
         kv = settings.kv_cache_dtype
         num_blocks = blocks_for_budget(loaded.config, settings.block_size, dtype, budget, kv)
-        return cls(loaded, num_blocks, settings.block_size, device, dtype, kv)
+        return cls(loaded, num_blocks, settings.block_size, device, dtype, kv, settings.cpu_kernels)
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch, all_logits: bool = False) -> torch.Tensor:

@@ -1,0 +1,62 @@
+"""C++ kernels compiled on first use into a shared library cached by content, loaded with ctypes.
+
+No torch headers and no build step at install: a kernel file compiles with the system's g++ in about a
+second. The cache key covers the source, the flags, the compiler and this CPU's feature flags (the code is
+built with -march=native), so a cache directory shared by machines never serves a foreign build. Without a
+compiler, or when compiling fails, `load` returns None and callers keep their torch code path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from worker.config import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """worker/kernels/<name>.cpp as a loaded library, compiled once per source and machine; None if it cannot be."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        log.warning("no C++ compiler: the %s kernels are off (torch fallback)", name)
+        return None
+    source = Path(__file__).with_name(f"{name}.cpp")
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built aside and renamed into place: concurrent workers never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True)
+            os.replace(tmp, target)
+        except subprocess.CalledProcessError as e:
+            log.warning("compiling %s failed, its kernels are off (torch fallback):\n%s", source, e.stderr)
+            return None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    return ctypes.CDLL(str(target))
