@@ -42,7 +42,17 @@ def _settings(args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def _worker_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("model", "device", "dtype", "weights", "kv_cache_mb", "kv_cache_dtype", "block_size", "cache_dir")
+    keys = (
+        "model",
+        "device",
+        "dtype",
+        "weights",
+        "kv_cache_mb",
+        "kv_cache_dtype",
+        "block_size",
+        "cache_dir",
+        "cpu_kernels",
+    )
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -154,6 +164,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
         help="KV cache contents: the model's dtype (default), int8, or auto (int8 once memory runs short)",
     )
     p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        help="decode attention and int8 KV writes in C++ kernels on CPU, built with g++ on first use (default on)",
+    )
 
 
 def _add_server_flags(p: argparse.ArgumentParser, port_help: str) -> None:

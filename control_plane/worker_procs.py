@@ -41,7 +41,15 @@ def worker_command(settings: WorkerSettings, port: int) -> list[str]:
         "--port": port,
         "--parent-pid": os.getpid(),
     }
-    return [sys.executable, "-m", "clients.cli", "worker", *(str(part) for flag in flags.items() for part in flag)]
+    kernels = "--cpu-kernels" if settings.cpu_kernels else "--no-cpu-kernels"
+    return [
+        sys.executable,
+        "-m",
+        "clients.cli",
+        "worker",
+        *(str(part) for flag in flags.items() for part in flag),
+        kernels,
+    ]
 
 
 @dataclass

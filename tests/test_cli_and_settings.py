@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clients.cli import build_parser
+from clients.cli import _worker_overrides, build_parser
 from control_plane.config import load_settings
 
 COMMANDS = ["serve", "control-plane", "worker", "dedup-service", "generate", "chat", "batch", "bench"]
@@ -68,3 +68,16 @@ def test_settings_reject_overcommitted_kv(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("COALESCE_POOLS__BATCH__KV_SHARE", "0.9")
     with pytest.raises(ValueError, match=r"kv_share adds up to 1\.30"):
         load_settings()
+
+
+def test_worker_flags_reach_spawned_workers() -> None:
+    """A `coalesce serve` flag becomes the worker's setting, and worker_procs passes it on to each child."""
+    from control_plane.worker_procs import worker_command
+    from worker.config import WorkerSettings
+
+    args = build_parser().parse_args(["serve", "--no-cpu-kernels", "--kv-cache-dtype", "int8"])
+    settings = WorkerSettings().model_copy(update=_worker_overrides(args))
+    assert (settings.cpu_kernels, settings.kv_cache_dtype) == (False, "int8")
+    child = build_parser().parse_args(worker_command(settings, 50061)[3:])
+    assert (child.cpu_kernels, child.kv_cache_dtype) == (False, "int8")
+    assert build_parser().parse_args(["serve"]).cpu_kernels is None  # unset: the settings' default (on)
