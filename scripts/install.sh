@@ -12,10 +12,14 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${pip[@]}" "torch==2.13.0"
 fi
+sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+# g++ builds the worker's CPU kernels on first use (worker/kernels/; without it the worker uses torch ops).
+if ! command -v g++ >/dev/null; then
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq g++
+fi
 if [ "$mode" = dev ]; then
   "${pip[@]}" -e ".[dev]"
   if ! command -v redis-server >/dev/null; then
-    sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
     $sudo apt-get update -qq && $sudo apt-get install -y -qq redis-server
   fi
   npm ci --no-audit --no-fund --loglevel=error
