@@ -119,9 +119,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
     n, vocab = logits.shape
     device = logits.device
     logits = logits.float()
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    scale = torch.where(temps > 0, temps, 1.0)
-    scaled = logits / scale[:, None]
+    scaled = logits
+    if any(not p.greedy and p.temperature != 1.0 for p in params):
+        # Skipped when every scale is 1 (greedy, or temperature 1): a pass over [N, vocab] saved.
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scaled = logits / torch.where(temps > 0, temps, 1.0)[:, None]
 
     token_ids = scaled.argmax(dim=-1)  # right for greedy rows; sampled rows are overwritten below
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -135,3 +135,17 @@ def test_truncation_never_picks_outside_the_allowed_set(
         assert int(better.sum()) < top_k
     if 0 < top_p < 1:
         assert float(probs[better].sum()) < top_p + 1e-5
+
+
+def test_temperature_scaling_applies_per_row_next_to_unscaled_rows() -> None:
+    """Rows with temperature != 1 are scaled (and logprobs with them); greedy and temperature-1 rows, for which
+    the sampler skips the division, are not."""
+    x = logits(3, 80, seed=3)
+    params = [SamplingParams(), SamplingParams(temperature=0.5, seed=9), SamplingParams(temperature=1.0, seed=9)]
+    out = sample(x, params, [4, 4, 4])
+    alone_hot = sample(x[1:2] / 0.5, [SamplingParams(temperature=1.0, seed=9)], [4])
+    assert out.token_ids[0].item() == x[0].argmax().item()
+    assert out.token_ids[1].item() == alone_hot.token_ids.item()
+    torch.testing.assert_close(out.logprobs[1:2], alone_hot.logprobs)
+    torch.testing.assert_close(out.logprobs[0], torch.log_softmax(x[0], dim=-1).max())
+    assert out.token_ids[2].item() == sample(x[2:3], [params[2]], [4]).token_ids.item()
