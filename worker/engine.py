@@ -232,8 +232,10 @@ class Engine:
         sampled: list[int] = []
         if rows:
             picked = [plan[i] for i in rows]
+            if len(rows) < len(plan):  # else every row samples: no copy of the [N, vocab] logits
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             out = sample(
-                logits.index_select(0, torch.tensor(rows, device=logits.device)),
+                logits,
                 [p.params for p in picked],
                 [p.start + len(p.tokens) for p in picked],
             )
