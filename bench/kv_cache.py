@@ -4,8 +4,8 @@
    sequences of `--capacity-context` tokens they hold, as ratios to bfloat16 and float32 caches; for the
    builtin model and for each `--shape DIR` (a checkpoint's config.json; e.g. SmolLM2's).
 2. Decode speed: the worker's Engine in process (as bench/worker_step.py), a batch of `--batch` sequences with
-   `--context`-token prompts, float32 cache against int8 cache on the same weights; best of `--repeats`,
-   alternating the two.
+   `--context`-token prompts, model-dtype cache against int8 cache on the same weights, each with decode
+   attention in torch ops and in the C++ kernels; best of `--repeats`, alternating the four.
 3. Conversion: an `auto` worker whose cache is full of running sequences; the step that converts it to int8
    (StepRequest.kv_to_int8) against the decode steps before and after it.
 4. Load: `coalesce serve` twice with the same `kv_cache_mb`, float32 cache then `auto`: `--requests`
@@ -77,21 +77,30 @@ def capacity(name: str, config: ModelConfig, mb: int, context: int) -> list[str]
 
 
 # -- 2. decode speed ---------------------------------------------------------------------------------------
-def decode_speed(model: str, dtype: str, batch: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+def decode_speed(model: str, dtype: str, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
+    """Best decode tok/s of four engines: {model, int8} cache x {torch ops, the C++ kernels}."""
     need = batch * -(-(context + steps + 1) // BLOCK_SIZE)
     engines = {}
-    for kv in ("model", "int8"):
-        mb = -(-need * block_bytes(model_config(model), BLOCK_SIZE, getattr(torch, dtype), kv) // 2**20) + 1
-        settings = WorkerSettings(model=model, device="cpu", dtype=dtype, kv_cache_mb=mb, kv_cache_dtype=kv)  # type: ignore[arg-type]
-        engines[kv] = Engine(ModelRunner.from_settings(settings))
-    work = prompts(batch, context, engines["model"].vocab_size)
-    best = {kv: 0.0 for kv in engines}
+    for kernels in (False, True):
+        for kv in ("model", "int8"):
+            mb = -(-need * block_bytes(model_config(model), BLOCK_SIZE, getattr(torch, dtype), kv) // 2**20) + 1
+            settings = WorkerSettings(
+                model=model,
+                device="cpu",
+                dtype=dtype,
+                kv_cache_mb=mb,
+                kv_cache_dtype=kv,
+                cpu_kernels=kernels,  # type: ignore[arg-type]
+            )
+            engines[f"{kv} {'kernels' if kernels else 'torch'}"] = Engine(ModelRunner.from_settings(settings))
+    work = prompts(batch, context, engines["model torch"].vocab_size)
+    best = {name: 0.0 for name in engines}
     for e in engines.values():
         bench_engine(e, prompts(2, 32, e.vocab_size), 2)  # warm-up
     for _ in range(repeats):
-        for kv, e in engines.items():
-            best[kv] = max(best[kv], bench_engine(e, work, steps)[0])
-    return best["model"], best["int8"]
+        for name, e in engines.items():
+            best[name] = max(best[name], bench_engine(e, work, steps)[0])
+    return best
 
 
 def model_config(model: str) -> ModelConfig:
@@ -231,13 +240,22 @@ def main() -> None:
         "",
         f"Decode, batch {args.batch}, {args.steps} steps, {model} on CPU (best of {args.repeats}, alternating):",
         "",
-        "| model dtype | prompt tokens | model-dtype cache tok/s | int8 cache tok/s | int8 / model dtype |",
-        "|---|---:|---:|---:|---:|",
+        "Kernels: decode attention of worker/kernels/paged_attention.cpp (the default on CPU); torch: "
+        "`cpu_kernels=false`, gather + SDPA.",
+        "",
+        "| model dtype | prompt tokens | model-dtype cache tok/s (torch / kernels) | int8 cache tok/s "
+        "(torch / kernels) | int8 / model dtype, kernels | kernels / torch, int8 |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for dtype in args.dtype:
         for context in args.context:
-            plain, int8 = decode_speed(model, dtype, args.batch, context, args.steps, args.repeats)
-            lines.append(f"| {dtype} | {context:,} | {plain:,.0f} | {int8:,.0f} | {int8 / plain:.2f}x |")
+            tps = decode_speed(model, dtype, args.batch, context, args.steps, args.repeats)
+            lines.append(
+                f"| {dtype} | {context:,} | {tps['model torch']:,.0f} / {tps['model kernels']:,.0f} "
+                f"| {tps['int8 torch']:,.0f} / {tps['int8 kernels']:,.0f} "
+                f"| {tps['int8 kernels'] / tps['model kernels']:.2f}x "
+                f"| {tps['int8 kernels'] / tps['int8 torch']:.2f}x |"
+            )
 
     print("conversion...", file=sys.stderr, flush=True)
     lines += [
