@@ -54,12 +54,13 @@ def test_cache_quick_run_preempts_only_without_int8() -> None:
     stdout = run("bench/kv_cache.py", "--quick")
     for header in (
         "| model | KV cache | per token |",
-        "| model-dtype cache tok/s | int8 cache tok/s |",
+        "| model-dtype cache tok/s (torch / kernels) | int8 cache tok/s (torch / kernels) |",
         "| conversion cost |",
     ):
         assert header in stdout
     for dtype in ("float32", "bfloat16"):  # decode speed, int8 against each model dtype's own cache
-        assert re.search(rf"\| {dtype} \| 64 \| [\d,]+ \| [\d,]+ \| [\d.]+x \|", stdout)
+        pair = r"[\d,]+ / [\d,]+"
+        assert re.search(rf"\| {dtype} \| 64 \| {pair} \| {pair} \| [\d.]+x \| [\d.]+x \|", stdout)
     assert re.search(r"\| builtin \| int8 \| [\d.]+ KiB \| [\d,]+ \| [\d,]+ \| 1\.9\dx \| 3\.8\dx \|", stdout)
     load = {
         m.group(1): (int(m.group(2)), m.group(3))
