@@ -84,13 +84,9 @@ def decode_speed(model: str, dtype: str, batch: int, context: int, steps: int, r
     for kernels in (False, True):
         for kv in ("model", "int8"):
             mb = -(-need * block_bytes(model_config(model), BLOCK_SIZE, getattr(torch, dtype), kv) // 2**20) + 1
-            settings = WorkerSettings(
-                model=model,
-                device="cpu",
-                dtype=dtype,
-                kv_cache_mb=mb,
-                kv_cache_dtype=kv,
-                cpu_kernels=kernels,  # type: ignore[arg-type]
+            settings = WorkerSettings.model_validate(
+                {"model": model, "device": "cpu", "dtype": dtype, "kv_cache_mb": mb, "kv_cache_dtype": kv}
+                | {"cpu_kernels": kernels}
             )
             engines[f"{kv} {'kernels' if kernels else 'torch'}"] = Engine(ModelRunner.from_settings(settings))
     work = prompts(batch, context, engines["model torch"].vocab_size)

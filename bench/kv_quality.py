@@ -52,7 +52,7 @@ class SimulatedStore(PlainStore):
     """A float store holding what an int8 variant would give back (for accuracy only), rotated or not."""
 
     def __init__(self, data: torch.Tensor, per_block: bool, rotate: bool) -> None:
-        super().__init__(data)
+        super().__init__(data, kernels=False)  # attention must go through read(), which un-rotates
         self.per_block, self.matrix = per_block, rotation(data.shape[-1]) if rotate else None
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:

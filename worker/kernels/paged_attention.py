@@ -40,6 +40,12 @@ def supports(data: torch.Tensor) -> bool:
     return _lib is not None and data.device.type == "cpu" and data.dtype in _DECODE and data.is_contiguous()
 
 
+def _loaded() -> ctypes.CDLL:
+    if _lib is None:
+        raise RuntimeError("the paged_attention kernels are not built here (no C++ compiler?); check supports()")
+    return _lib
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -75,7 +81,7 @@ def decode(
     )
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    getattr(_lib, _DECODE[k_data.dtype])(
+    getattr(_loaded(), _DECODE[k_data.dtype])(
         ctypes.c_void_p(qf.data_ptr()),
         ctypes.c_void_p(k_data.data_ptr()),
         ctypes.c_void_p(_ptr(k_scales)),
@@ -95,7 +101,7 @@ def quantize_write(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, cod
     scale codes into codes [rows, KV, groups], as kv_quant.quantize would."""
     xf = x.float().contiguous()
     rows, kv_heads, dim = xf.shape
-    _lib.quantize_write(
+    _loaded().quantize_write(
         ctypes.c_void_p(xf.data_ptr()),
         ctypes.c_void_p(slots.data_ptr()),
         ctypes.c_int64(rows),
