@@ -5,6 +5,7 @@ kv_quant.quantize; the torch fallback against transformers; and the build's fall
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -110,6 +111,19 @@ def test_supports_only_what_the_kernels_read() -> None:
 def test_without_a_compiler_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert build.load.__wrapped__("paged_attention") is None
+
+
+def test_an_unwritable_cache_directory_turns_the_kernels_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # its "coalesce/kernels" cannot be created
+    assert build.load.__wrapped__("paged_attention") is None
+
+
+def test_a_fresh_cache_directory_builds_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert build.load.__wrapped__("paged_attention") is not None
+    assert len(list((tmp_path / "coalesce" / "kernels").glob("paged_attention-*.so"))) == 1
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)

@@ -46,17 +46,24 @@ def load(name: str) -> ctypes.CDLL | None:
     source = Path(__file__).with_name(f"{name}.cpp")
     key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Built aside and renamed into place: concurrent workers never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True)
-            os.replace(tmp, target)
-        except subprocess.CalledProcessError as e:
-            log.warning("compiling %s failed, its kernels are off (torch fallback):\n%s", source, e.stderr)
-            return None
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    return ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _compile(compiler, source, target)
+        return ctypes.CDLL(str(target))
+    except subprocess.CalledProcessError as e:
+        log.warning("compiling %s failed, its kernels are off (torch fallback):\n%s", source, e.stderr)
+    except OSError as e:  # an unwritable cache directory, a library that does not load
+        log.warning("the %s kernels are off (torch fallback): %s", name, e)
+    return None
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built aside and renamed into place: concurrent workers never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
