@@ -91,7 +91,7 @@ void decode(const float* q, const T* k, const uint8_t* k_codes, const T* v, cons
   const int64_t jobs = sh.seqs * sh.kv_heads;
 #pragma omp parallel
   {
-    std::vector<float> row(dim), acc(per_kv * dim), weights;
+    std::vector<float> row(dim), acc(per_kv * dim), total(per_kv), weights;  // per thread, reused by its jobs
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < jobs; ++job) {
       const int64_t s = job / sh.kv_heads, h = job % sh.kv_heads, length = lengths[s];
@@ -108,7 +108,6 @@ void decode(const float* q, const T* k, const uint8_t* k_codes, const T* v, cons
           weights[j * n + p - lo] = dot * sh.softmax_scale;
         }
       });
-      std::vector<float> total(per_kv);
       for (int64_t j = 0; j < per_kv; ++j) {
         float* w = weights.data() + j * n;
         const float m = *std::max_element(w, w + n);
