@@ -67,3 +67,16 @@ async def grpc_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
     yield start
     for server in servers:
         await server.stop(grace=None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a `coalesce` process (tests/e2e/serve_process.py) shows that process's last output:
+    a hang or a lost request is diagnosed from the server's side, not only from the client's stack."""
+    report = yield
+    if report.failed:
+        for name, value in getattr(item, "funcargs", {}).items():
+            lines = getattr(value, "lines", None)
+            if isinstance(lines, list) and hasattr(value, "proc"):
+                report.sections.append((f"output of fixture {name!r} (last 80 lines)", "".join(lines[-80:])))
+    return report
