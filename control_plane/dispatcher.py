@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from control_plane.cancel import cancel_all
 from control_plane.config import Settings
 from control_plane.detokenize import IncrementalText
-from control_plane.errors import ApiError, exhausted, invalid, not_found, unavailable
+from control_plane.errors import ApiError, exhausted, invalid, not_found, step_failed, unavailable
 from control_plane.generation import Generation, View
 from control_plane.observer import Observer
 from control_plane.request import Request
@@ -113,7 +113,7 @@ class Dispatcher:
     # -- the workers -------------------------------------------------------------------------------------
     def add_link(self, address: str) -> WorkerLink:
         """Drive the worker at `address` (a new one found, or one this replica came to own)."""
-        link = WorkerLink(address, self.settings, self._on_step, self._on_lost, self.clock)
+        link = WorkerLink(address, self.settings, self._on_step, self._on_lost, self._on_failed, self.clock)
         self.links.append(link)
         self._link_tasks[link] = asyncio.create_task(link.run(), name=f"link {address}")
         return link
@@ -312,6 +312,16 @@ class Dispatcher:
         self.observer.on_step(link, plan, events, resp, loop_s)
         if events or plan.admitted:
             self.journal.touch()
+
+    def _on_failed(self, link: WorkerLink, seqs: list[Sequence], detail: str) -> None:
+        """A step raised on the worker: recomputed, its sequences would raise again (and hold every request
+        batched with them), so their generations end with INTERNAL; the link recomputes the others."""
+        now = self.clock()
+        for seq in seqs:
+            gen = seq.gen
+            if gen is not None and self.running.get(gen, (None, None))[1] is seq:
+                log.error("request %s failed on worker %s, not retried: %s", gen.request_id, link.address, detail)
+                self._end(gen, ERROR, now, step_failed())
 
     def _on_lost(self, link: WorkerLink, requeued: int, cause: str) -> None:
         """A worker was lost, or is still down (its sequences wait there for recompute): move them to live

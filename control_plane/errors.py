@@ -108,6 +108,16 @@ def store_down(exc: Exception) -> ApiError:
     return unavailable("the dedup store is unavailable", "STORE_UNAVAILABLE")
 
 
+def step_failed() -> ApiError:
+    """INTERNAL for a request whose step raised on the worker (the cause is logged, not told to the caller)."""
+    return ApiError(
+        grpc.StatusCode.INTERNAL,
+        "the model failed while computing this request (logged on the server); it was not retried, as it would "
+        "fail again",
+        "WORKER_STEP_FAILED",
+    )
+
+
 def id_in_use(request_id: str) -> ApiError:
     return ApiError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "REQUEST_ID_IN_USE")
 

@@ -5,7 +5,9 @@ is already queued on the stream, so the worker starts it the moment N is done, a
 control plane's work for N (complete, schedule N+2, text, fan-out) overlap N+1's forward pass. Results are
 read and completed in order. A lost worker (the stream breaks, the process died) hands every sequence back
 to the dispatcher for recompute (the steps in flight are discarded) and the link reconnects with backoff;
-a restarted worker starts a fresh session. What is in flight is the scheduler's (`Scheduler.oldest`); the link
+a restarted worker starts a fresh session. A step that raised on the worker is not a lost worker: its
+sequences would raise again, so they end with an error and only the others are recomputed
+(rpc/step_failure.py). What is in flight is the scheduler's (`Scheduler.oldest`); the link
 only carries plans and results.
 """
 
@@ -26,6 +28,7 @@ from control_plane.sequence import SeqEvent, Sequence
 from control_plane.step_plan import StepPlan
 from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 from rpc.limits import INTERNAL_CHANNEL_OPTIONS
+from rpc.step_failure import failed_step
 from security.internal import call_metadata
 from security.tls import internal_channel_credentials
 
@@ -52,12 +55,15 @@ class WorkerLink:
     # scheduler, `requeued` of them running), is still down with work waiting here ("down"), or came back
     # with another cache ("replaced": the scheduler was replaced, so everything must be resubmitted).
     on_lost: Callable[[WorkerLink, int, str], None]
+    # Called with the sequences of a step that raised on the worker, and the worker's message, before on_lost.
+    on_failed: Callable[[WorkerLink, list[Sequence], str], None]
     clock: Callable[[], float] = time.monotonic
     info: worker_pb2.InfoResponse | None = None
     scheduler: Scheduler | None = None
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _stopping: bool = False
+    _failed: list[Sequence] = field(default_factory=list)  # of the step the worker reported failing
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -144,7 +150,12 @@ class WorkerLink:
                     last = time.perf_counter()  # the worker was idle: this step's time starts now
                 if scheduler.inflight < MAX_INFLIGHT:
                     await send()  # the lookahead: work that arrived (or was freed) since the last completion
-                resp = await call.read()
+                try:
+                    resp = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    if failed_step(exc) == step_id - scheduler.inflight + 1:  # the oldest step in flight raised
+                        self._failed = [w.seq for w in scheduler.oldest.works if w.current]
+                    raise
                 if resp is grpc.aio.EOF:
                     raise WorkerLost(f"worker {self.address} ended the step stream")
                 done = scheduler.oldest
@@ -173,12 +184,19 @@ class WorkerLink:
     def _lose(self, exc: Exception) -> None:
         was_connected = self.connected.is_set()
         self.connected.clear()
+        failed, self._failed = self._failed, []
         if self._stopping or self.scheduler is None:
             return
         requeued = self.scheduler.requeue_all()
+        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        if failed:  # the worker is up, but its session (and so its cache) ended with the failed step
+            self.on_failed(self, failed, detail or "")
+            ended = {id(seq) for seq in failed}
+            requeued = [seq for seq in requeued if id(seq) not in ended]
         if was_connected:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            log.warning("worker %s lost (%s); %d sequences requeued for recompute", self.address, detail, len(requeued))
+            what = "ended its session" if failed else "lost"
+            log.warning("worker %s %s (%s); %d sequences requeued for recompute", self.address, what, detail,
+                        len(requeued))  # fmt: skip
             self.on_lost(self, len(requeued), "lost")
         elif self.scheduler.has_work():  # still down: what waits here may move to a worker that is up
             self.on_lost(self, 0, "down")

@@ -18,6 +18,7 @@ from protos.coalesce.v1 import worker_pb2, worker_pb2_grpc
 from rpc.limits import INTERNAL_CHANNEL_OPTIONS
 from rpc.malformed import TolerantDecoding
 from rpc.standard_services import add_standard_services
+from rpc.step_failure import failed_step_metadata
 from security.internal import RequireToken
 from security.settings import ConfigError, InternalTlsSettings
 from security.tls import internal_server_credentials
@@ -64,11 +65,16 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
             # The engine's lock makes this wait for a step still running from a cancelled session.
             await asyncio.to_thread(engine.reset)
             async for done in StepPipeline(engine).run(request_iterator):
+                # A failed step ends this session (the worker keeps serving); the metadata tells the control
+                # plane to end that step's sequences rather than recompute them (rpc/step_failure.py).
+                failed = failed_step_metadata(done.request.step_id)
                 if isinstance(done.error, StepError):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error))
-                if done.error is not None:  # a model failure: end this session, keep the worker serving
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error), failed)
+                if done.error is not None:  # a model failure
                     log.error("step %d failed", done.request.step_id, exc_info=done.error)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"step {done.request.step_id} failed: {done.error!r}")
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, f"step {done.request.step_id} failed: {done.error!r}", failed
+                    )
                 assert done.response is not None
                 if self.spans is not None:
                     self.spans.record(done.request, done.response, done.started_ns)
