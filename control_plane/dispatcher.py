@@ -314,8 +314,9 @@ class Dispatcher:
             self.journal.touch()
 
     def _on_failed(self, link: WorkerLink, seqs: list[Sequence], detail: str) -> None:
-        """A step raised on the worker: recomputed, its sequences would raise again (and hold every request
-        batched with them), so their generations end with INTERNAL; the link recomputes the others."""
+        """A step raised on the worker, or a worker was lost again and again with these sequences in flight:
+        recomputed, they would fail again (and hold every request batched with them), so their generations end
+        with INTERNAL; the link recomputes the others."""
         now = self.clock()
         for seq in seqs:
             gen = seq.gen

@@ -109,10 +109,11 @@ def store_down(exc: Exception) -> ApiError:
 
 
 def step_failed() -> ApiError:
-    """INTERNAL for a request whose step raised on the worker (the cause is logged, not told to the caller)."""
+    """INTERNAL for a request whose step raised on the worker, or that was in flight whenever its worker crashed
+    (the cause is logged, not told to the caller)."""
     return ApiError(
         grpc.StatusCode.INTERNAL,
-        "the model failed while computing this request (logged on the server); it was not retried, as it would "
+        "the worker failed while computing this request (logged on the server); it was not retried, as it would "
         "fail again",
         "WORKER_STEP_FAILED",
     )

@@ -155,6 +155,11 @@ class Scheduler:
         """The plan the worker answers next (raises IndexError when none is in flight)."""
         return self._inflight[0]
 
+    def in_flight(self) -> list[Sequence]:
+        """The sequences that steps in flight compute (each once), oldest step first."""
+        seqs = {id(w.seq): w.seq for plan in self._inflight for w in plan.works if w.current}
+        return list(seqs.values())
+
     def stats(self) -> Stats:
         running = {p: len(self.running[p]) for p in POOLS}
         waiting = {p: len(self.waiting[p]) for p in POOLS}

@@ -71,6 +71,9 @@ class Sequence:
     # Skipped by the prefill ratio rule while at the head of its queue; a second skip stops admissions.
     skipped: bool = False
     preemptions: int = 0
+    # Workers lost (crashed, cut off) while a step of this sequence was in flight; at MAX_WORKER_LOSSES it ends
+    # with an error instead of being recomputed again (control_plane/worker_link.py).
+    worker_losses: int = 0
     # Text of the outputs so far, with the request's stop strings: `complete` ends the sequence on a match.
     text: IncrementalText | None = None
     # Where its tokens go (the dispatcher's; the scheduler never reads it).
@@ -107,7 +110,8 @@ class Sequence:
         """The same computation under a new id, to run on another worker from its outputs so far."""
         return Sequence(seq_id, self.request_id, self.tenant, self.pool, self.prompt_ids, self.max_tokens,
                         self.sampling, self.eos_ids, self.stop_token_ids, self.ignore_eos, self.traceparent,
-                        output_ids=list(self.output_ids), text=self.text, gen=self.gen)  # fmt: skip
+                        output_ids=list(self.output_ids), text=self.text, gen=self.gen,
+                        worker_losses=self.worker_losses)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)

@@ -34,6 +34,10 @@ from security.tls import internal_channel_credentials
 
 log = logging.getLogger(__name__)
 
+# A sequence in flight at this many worker losses ends with an error: a request that crashes its worker would
+# otherwise crash it again at each recompute, forever, and take every request batched with it along.
+MAX_WORKER_LOSSES = 3
+
 # Capped at 0.25 s: a worker still loading its model is polled often enough that serving starts within a
 # quarter second of it being ready (a start is ~3 s in all).
 BACKOFF_S = (0.05, 0.1, 0.2, 0.25)
@@ -55,7 +59,8 @@ class WorkerLink:
     # scheduler, `requeued` of them running), is still down with work waiting here ("down"), or came back
     # with another cache ("replaced": the scheduler was replaced, so everything must be resubmitted).
     on_lost: Callable[[WorkerLink, int, str], None]
-    # Called with the sequences of a step that raised on the worker, and the worker's message, before on_lost.
+    # Called before on_lost with the sequences that end instead of being recomputed (those of a step that raised
+    # on the worker, or in flight at their MAX_WORKER_LOSSES-th loss), and the error that ended the stream.
     on_failed: Callable[[WorkerLink, list[Sequence], str], None]
     clock: Callable[[], float] = time.monotonic
     info: worker_pb2.InfoResponse | None = None
@@ -187,14 +192,21 @@ class WorkerLink:
         failed, self._failed = self._failed, []
         if self._stopping or self.scheduler is None:
             return
+        step_failed = bool(failed)  # else the worker was lost: it counts against what was in flight
+        if not step_failed:
+            for seq in self.scheduler.in_flight():
+                seq.worker_losses += 1
+                if seq.worker_losses >= MAX_WORKER_LOSSES:
+                    failed.append(seq)
         requeued = self.scheduler.requeue_all()
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-        if failed:  # the worker is up, but its session (and so its cache) ended with the failed step
+        if failed:
             self.on_failed(self, failed, detail or "")
             ended = {id(seq) for seq in failed}
             requeued = [seq for seq in requeued if id(seq) not in ended]
         if was_connected:
-            what = "ended its session" if failed else "lost"
+            # After a failed step the worker is up, but its session (and so its cache) ended with the step.
+            what = "ended its session" if step_failed else "lost"
             log.warning("worker %s %s (%s); %d sequences requeued for recompute", self.address, what, detail,
                         len(requeued))  # fmt: skip
             self.on_lost(self, len(requeued), "lost")
