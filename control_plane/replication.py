@@ -62,6 +62,9 @@ class Replicator:
         self.retention_s = settings.idempotency_retention_s
         self.owned: dict[tuple[str, str], Owned] = {}  # by (tenant, name)
         self._dirty = asyncio.Event()
+        # The flush and the renewal both reclaim what the store refused; one at a time, so the second sees
+        # the epoch the first claimed (as its own), not a record of "another replica".
+        self._reclaiming = asyncio.Lock()
 
     def own(
         self,
@@ -146,24 +149,45 @@ class Replicator:
 
     async def _reclaim(self, o: Owned) -> bool:
         """The store refused a write of ours. When it lost the request altogether (a Redis restart without
-        persistence), claim it again at a new epoch and rewrite its log from token 0: True. False when
-        another replica holds it now (a takeover, or a caller's retry that claimed the lost key)."""
+        persistence), claim it again at a new epoch and rewrite its log from token 0: True. When the request is
+        still ours at our epoch, the log was refused at its offset (it lost tokens, or never had all that a
+        takeover took for written): rewrite it from what it holds: True. False when another replica holds it
+        now (a takeover, or a caller's retry that claimed the lost key)."""
+        async with self._reclaiming:
+            return await self._reclaim_alone(o)
+
+    async def _reclaim_alone(self, o: Owned) -> bool:
         tenant, store = o.gen.tenant, self.store
         if o.key:
-            if not o.fingerprint or await store.get(tenant, o.key) is not None:
+            record = await store.get(tenant, o.key)
+            if record is not None:
+                return (record.owner, record.epoch) == (self.owner, o.epoch) and await self._resync(o)
+            if not o.fingerprint:
                 return False
             res = await store.claim(tenant, o.key, self.owner, o.fingerprint, o.name, self.lease_s, payload=o.payload)
             if res.outcome is not Outcome.CLAIMED or res.record is None:
                 return False
             o.epoch, o.processing = res.record.epoch, False
         else:
-            if await store.lookup_request(tenant, o.name) is not None:
-                return False
+            info = await store.lookup_request(tenant, o.name)
+            if info is not None:
+                return (info.owner, info.epoch) == (self.owner, o.epoch) and await self._resync(o)
             if not await store.start_request(tenant, o.name, self.owner, payload=o.payload):
                 return False
             o.epoch = 1
         log.warning("request %s: the store had lost it; claimed again at epoch %d", o.name, o.epoch)
         o.flushed = 0
+        return True
+
+    async def _resync(self, o: Owned) -> bool:
+        """Continue `o`'s log from the tokens it holds (False when it holds more than the generation)."""
+        held = 0
+        while (piece := await self.store.read(o.gen.tenant, o.name, held)) is not None and piece.entries:
+            held = piece.next_offset
+        if piece is None or held > len(o.gen.token_ids):
+            return False
+        log.warning("request %s: its log holds %d of %d tokens; writing it on from there", o.name, held, o.flushed)
+        o.flushed = held
         return True
 
     async def _close(self, o: Owned) -> None:

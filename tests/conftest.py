@@ -4,7 +4,7 @@ Authentication is on in every server the tests start (tests.session_env.py)."""
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
 
 import grpc
@@ -70,7 +70,9 @@ async def grpc_server() -> AsyncIterator[Callable[..., Awaitable[str]]]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """A failed test that used a `coalesce` process (tests/e2e/serve_process.py) shows that process's last output:
     a hang or a lost request is diagnosed from the server's side, not only from the client's stack."""
     report = yield
