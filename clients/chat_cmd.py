@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -85,6 +86,9 @@ class Chat:
 
 
 def run(args: argparse.Namespace) -> None:
+    # Ctrl-C is this command's cancel key, even when it was started with SIGINT ignored (a background job of a
+    # non-interactive shell ignores it, and Python then installs no KeyboardInterrupt handler).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     options: GenerateOptions = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
     with CoalesceClient(args.address, args.token, tls=tls_of(args)) as client:
         try:
