@@ -89,13 +89,16 @@ async def stack() -> AsyncIterator[Stack]:
 def crashing_worker() -> Iterator[tuple[str, list[int]]]:
     """tests/control_plane/crashing_worker.py on a fixed port, restarted whenever it dies (as `coalesce serve`
     restarts its workers); yields its address and the list of its exit codes so far."""
-    port, exits, stopping = free_port(), [], threading.Event()
+    port, exits, stopping, lock = free_port(), [], threading.Event(), threading.Lock()
     script = Path(__file__).with_name("crashing_worker.py")
     procs: list[subprocess.Popen[bytes]] = []
 
     def supervise() -> None:
-        while not stopping.is_set():
-            procs.append(subprocess.Popen([sys.executable, str(script), str(port), POISON]))
+        while True:
+            with lock:  # never start one after the teardown stopped the last
+                if stopping.is_set():
+                    return
+                procs.append(subprocess.Popen([sys.executable, str(script), str(port), POISON]))
             exits.append(procs[-1].wait())
 
     thread = threading.Thread(target=supervise, daemon=True)
@@ -103,8 +106,10 @@ def crashing_worker() -> Iterator[tuple[str, list[int]]]:
     try:
         yield f"127.0.0.1:{port}", exits
     finally:
-        stopping.set()
-        procs[-1].terminate()
+        with lock:
+            stopping.set()
+            if procs:
+                procs[-1].terminate()
         thread.join(timeout=30)
 
 
