@@ -65,16 +65,14 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
             # The engine's lock makes this wait for a step still running from a cancelled session.
             await asyncio.to_thread(engine.reset)
             async for done in StepPipeline(engine).run(request_iterator):
-                # A failed step ends this session (the worker keeps serving); the metadata tells the control
-                # plane to end that step's sequences rather than recompute them (rpc/step_failure.py).
-                failed = failed_step_metadata(done.request.step_id)
-                if isinstance(done.error, StepError):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error), failed)
-                if done.error is not None:  # a model failure
-                    log.error("step %d failed", done.request.step_id, exc_info=done.error)
-                    await context.abort(
-                        grpc.StatusCode.INTERNAL, f"step {done.request.step_id} failed: {done.error!r}", failed
-                    )
+                if done.error is not None:
+                    # A failed step ends this session (the worker keeps serving); the metadata tells the control
+                    # plane to end that step's sequences rather than recompute them (rpc/step_failure.py).
+                    step_id, failed = done.request.step_id, failed_step_metadata(done.request.step_id)
+                    if isinstance(done.error, StepError):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(done.error), failed)
+                    log.error("step %d failed", step_id, exc_info=done.error)  # a model failure
+                    await context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {done.error!r}", failed)
                 assert done.response is not None
                 if self.spans is not None:
                     self.spans.record(done.request, done.response, done.started_ns)
