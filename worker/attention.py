@@ -8,7 +8,9 @@ each cached row where it lies; elsewhere (CUDA, `cpu_kernels=false`, a float16 c
 reads gather whole blocks (contiguous rows, far cheaper than gathering slot by slot) into one masked SDPA call.
 Index tensors are built once per step (`build_metadata`) and reused by every layer. The stores
 (worker/kv_cache.py) hide the cache's dtype: an int8 store quantizes what is written and dequantizes the blocks
-it gathers (the kernel reads int8 and applies the scales itself).
+it gathers (the kernel reads int8 and applies the scales itself). A sequence with a full-precision tail (an
+int8 cache's, worker/kv_cache.py) has the positions of its last block corrected by its tail rows, by the
+kernel and by both torch paths alike.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker.batch import PackedBatch, SeqSlice
+from worker import kv_tails
+from worker.batch import PackedBatch, RowMap, SeqSlice
 from worker.kernels import paged_attention
 from worker.kv_quant import rotate
 
@@ -29,14 +32,16 @@ class KVStore(Protocol):
 
     data: torch.Tensor  # [blocks, block_size, KV, D], in the model's dtype or int8
     scales: torch.Tensor | None  # int8: scale codes [blocks, block_size, KV, groups]
+    tail: torch.Tensor | None  # int8: the same bytes as bfloat16 tail rows [rows, KV, D] (residuals)
     kernel: bool  # decode attention reads it with worker/kernels/paged_attention.py
 
     @property
     def rotation(self) -> torch.Tensor | None:
         """The [D, D] rotation the store keeps its vectors in (queries and outputs must match), or None."""
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """x: [T, KV, D] into rows `slots` (block * block_size + offset)."""
+    def write(self, slots: torch.Tensor, x: torch.Tensor, tail_rows: torch.Tensor | None = None) -> None:
+        """x: [T, KV, D] into rows `slots` (block * block_size + offset); where it keeps tails, what it lost of
+        x[i] into tail row tail_rows[i] where that is >= 0."""
 
     def read(self, blocks: torch.Tensor) -> torch.Tensor:
         """The blocks' vectors, [len(blocks), block_size, KV, D], in the model's dtype."""
@@ -48,9 +53,16 @@ class DecodeGroup:
 
     rows: torch.Tensor  # [D] their rows in the packed batch
     blocks: torch.Tensor  # [D * B] their block tables, flattened (padding: block 0, masked out)
-    mask: torch.Tensor  # [D, 1, 1, B * block_size] 0 where the query may attend, -inf elsewhere
+    # [D, 1, 1, B * block_size] 0 where the query may attend, -inf elsewhere (None when the kernel reads)
+    mask: torch.Tensor | None
     lengths: torch.Tensor  # [D] int64, positions cached per sequence (this step's included): for the kernel
     window: int | None  # the sliding window, if any
+    # With tails: for the kernel, the first position corrected by a tail ([D] int64; `lengths` where none)
+    # and each sequence's tail row per block offset ([D * block_size] int64) ...
+    tail_lo: torch.Tensor | None = None
+    tail_rows: torch.Tensor | None = None
+    # ... and for the torch path, which tail rows are added to which of the gathered [D * B * block_size].
+    tail_reads: RowMap | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +74,7 @@ class PrefillGroup:
     dest: torch.Tensor  # [R] ... and their rows in the packed batch
     blocks: torch.Tensor  # [P * B] their block tables, flattened (padding: block 0, masked out)
     mask: torch.Tensor  # [P, 1, Q, B * block_size]; a padding query sees key 0 only (no all -inf row)
+    tail_reads: RowMap | None = None  # tail rows added to rows of the gathered [P * B * block_size]
 
 
 @dataclass(slots=True)
@@ -69,6 +82,7 @@ class AttentionMetadata:
     slots: torch.Tensor  # [T] where each new token's K/V goes
     decode: DecodeGroup | None
     prefill: PrefillGroup | None
+    tail_rows: torch.Tensor | None = None  # [T] int64: each new token's tail row, -1 where none (None: no tails)
 
 
 def _mask(q_pos: torch.Tensor, length: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -90,11 +104,14 @@ def build_metadata(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     block_div: int = 1,
+    decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """Slot indices and masks of one step, computed on the CPU and moved to `device` once. Block ids are
-    divided by `block_div` to index the stores (an auto cache still in the model's dtype)."""
+    divided by `block_div` to index the stores (an auto cache still in the model's dtype). With
+    `decode_kernel` (the stores' `kernel`), what only the torch decode path reads is not built."""
     offsets = torch.arange(block_size)
     new_slots: list[int] = []
+    write_rows: list[int] = []  # each new token's tail row, -1 where none
     pre_seqs: list[tuple[int, SeqSlice]] = []
     dec_rows: list[int] = []
     dec_seqs: list[SeqSlice] = []
@@ -114,6 +131,7 @@ def build_metadata(
             pre_seqs.append((row, s))
             table = torch.tensor(s.block_table[: -(-end // block_size)]) // block_div
             new_slots += (table[:, None] * block_size + offsets).flatten()[s.start : end].tolist()
+        write_rows += kv_tails.writes(s, block_size)
         row += s.num_tokens
     if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
         raise ValueError(
@@ -125,12 +143,24 @@ def build_metadata(
         used = [s.block_table[: s.start // block_size + 1] for s in dec_seqs]
         nblocks = max(len(u) for u in used)
         tables = torch.tensor([u + [0] * (nblocks - len(u)) for u in used], dtype=torch.int64) // block_div
-        mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
+        mask = None
+        if not decode_kernel:
+            mask = _mask(torch.tensor([s.start for s in dec_seqs]), nblocks * block_size, sliding_window, dtype)
+            mask = mask[:, None, None].to(device)
         rows = torch.tensor(dec_rows).to(device)
         lengths = torch.tensor([s.start + 1 for s in dec_seqs], dtype=torch.int64).to(device)
-        decode = DecodeGroup(rows, tables.flatten().to(device), mask[:, None, None].to(device), lengths, sliding_window)
+        decode = DecodeGroup(rows, tables.flatten().to(device), mask, lengths, sliding_window)
+        if any(s.tail for s in dec_seqs):
+            if decode_kernel:
+                lo = [kv_tails.lo(s, block_size) if s.tail else s.start + 1 for s in dec_seqs]
+                tails = [r for s in dec_seqs for r in (kv_tails.rows(s, block_size) if s.tail else [0] * block_size)]
+                decode.tail_lo = torch.tensor(lo, dtype=torch.int64).to(device)
+                decode.tail_rows = torch.tensor(tails, dtype=torch.int64).to(device)
+            else:
+                decode.tail_reads = kv_tails.reads(dec_seqs, nblocks * block_size, block_size, device)
     prefill = _prefill_group(pre_seqs, block_size, sliding_window, device, dtype, block_div) if pre_seqs else None
-    return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefill)
+    writes = torch.tensor(write_rows, dtype=torch.int64).to(device) if max(write_rows, default=-1) >= 0 else None
+    return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefill, writes)
 
 
 def _prefill_group(
@@ -165,6 +195,7 @@ def _prefill_group(
         torch.tensor(dest).to(device),
         tables.flatten().to(device),
         mask.to(device),
+        kv_tails.reads([s for _, s in seqs], length, block_size, device),
     )
 
 
@@ -177,8 +208,8 @@ def attend(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KV, D]; caches: stores of [blocks, block_size, KV, D]. Returns [T, H * D]."""
-    k_cache.write(meta.slots, k)
-    v_cache.write(meta.slots, v)
+    k_cache.write(meta.slots, k, meta.tail_rows)
+    v_cache.write(meta.slots, v, meta.tail_rows)
     rotation = k_cache.rotation
     if rotation is None:
         return _over_cache(q, k.shape[1], k_cache, v_cache, meta)
@@ -201,14 +232,23 @@ def _over_cache(
         # keys need no repeat: q [D, KV, group, dim] against keys [D, KV, L, dim].
         qd = q if meta.prefill is None else q.index_select(0, d.rows)
         if k_cache.kernel:
+            tails = None
+            if (
+                d.tail_lo is not None
+                and d.tail_rows is not None
+                and k_cache.tail is not None
+                and v_cache.tail is not None
+            ):
+                tails = paged_attention.Tails(k_cache.tail, v_cache.tail, d.tail_lo, d.tail_rows)
             od = paged_attention.decode(
-                qd, k_cache.data, v_cache.data, d.blocks, d.lengths, d.window, k_cache.scales, v_cache.scales
+                qd, k_cache.data, v_cache.data, d.blocks, d.lengths, d.window, k_cache.scales, v_cache.scales, tails
             )
         else:
             qd = qd.reshape(-1, kv_heads, group, dim)
             num = qd.shape[0]
-            keys = k_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
-            values = v_cache.read(d.blocks).view(num, -1, kv_heads, dim).transpose(1, 2)
+            keys = _read(k_cache, d.blocks, d.tail_reads).view(num, -1, kv_heads, dim).transpose(1, 2)
+            values = _read(v_cache, d.blocks, d.tail_reads).view(num, -1, kv_heads, dim).transpose(1, 2)
+            assert d.mask is not None, "build_metadata was told the decode kernel reads"
             od = F.scaled_dot_product_attention(qd, keys, values, attn_mask=d.mask).reshape(-1, heads, dim)
         if meta.prefill is None:
             return od.reshape(t, heads * dim)
@@ -219,10 +259,20 @@ def _over_cache(
         # transformers' repeat_kv): [P, H, L, dim].
         num, q_max, length = p.mask.shape[0], p.mask.shape[2], p.mask.shape[3]
         qp = q.index_select(0, p.rows).view(num, q_max, heads, dim).transpose(1, 2)
-        keys = k_cache.read(p.blocks).view(num, length, kv_heads, 1, dim).expand(-1, -1, -1, group, -1)
-        values = v_cache.read(p.blocks).view(num, length, kv_heads, 1, dim).expand(-1, -1, -1, group, -1)
+        keys = _read(k_cache, p.blocks, p.tail_reads).view(num, length, kv_heads, 1, dim).expand(-1, -1, -1, group, -1)
+        values = _read(v_cache, p.blocks, p.tail_reads).view(num, length, kv_heads, 1, dim)
+        values = values.expand(-1, -1, -1, group, -1)
         keys = keys.reshape(num, length, heads, dim).transpose(1, 2)
         values = values.reshape(num, length, heads, dim).transpose(1, 2)
         op = F.scaled_dot_product_attention(qp, keys, values, p.mask).transpose(1, 2).reshape(-1, heads, dim)
         out.index_copy_(0, p.dest, op.index_select(0, p.real))
     return out.reshape(t, heads * dim)
+
+
+def _read(store: KVStore, blocks: torch.Tensor, tails: RowMap | None) -> torch.Tensor:
+    """The blocks gathered ([n, block_size, KV, D]), tail rows `tails.src` added to the gathered rows `tails.dst`
+    where the store keeps tails."""
+    x = store.read(blocks)
+    if tails is not None and store.tail is not None:
+        x.view(-1, *x.shape[2:]).index_add_(0, tails.dst, store.tail.index_select(0, tails.src).to(x.dtype))
+    return x

@@ -7,7 +7,7 @@ tokens continue a prefix that is already in the KV cache (its blocks are listed 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,11 @@ class SeqSlice:
     start: int
     # Number of new tokens fed this step (>= 1).
     num_tokens: int
+    # An int8 cache's full-precision tail (worker/kv_cache.py): its TAIL_BLOCKS block ids, or empty for none ...
+    tail: list[int] = field(default_factory=list)
+    # ... and the first position this sequence computed itself: tail rows hold its positions from here on (a
+    # prefix mapped from the cache was computed by another sequence, into blocks only).
+    tail_from: int = 0
 
 
 @dataclass(slots=True)
@@ -36,3 +41,11 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+
+@dataclass(slots=True)
+class RowMap:
+    """Rows `src` of one tensor go to rows `dst` of another (int64 index tensors of one length)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor

@@ -19,6 +19,8 @@ Step protocol, as enforced here (all positions are absolute token positions in t
 - `kv_to_int8` (only for an `auto` cache still in the model's dtype) converts the cache to int8 after the
   release, before the copies; block ids are checked against the cache as it will be for the forward pass: in
   an auto cache still in the model's dtype, a block id must be a multiple of kv_block_units.
+- `tail_blocks` (first sight only, on an int8 cache, kv_tail_blocks of them, none in the block table): block ids
+  the sequence holds as its full-precision tail (worker/kv_cache.py) until it is released.
 - `copies` run before the forward pass, after validation.
 - With `sample=true` the token sampled becomes the sequence's next input; its noise position is the
   number of tokens in the cache after this step (the position the token will take).
@@ -55,6 +57,8 @@ class SeqState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # positions [0, num_cached) are in the KV cache
     next_token: int | None = None  # sampled on the last step, not yet fed
+    tail: list[int] = field(default_factory=list)  # its full-precision tail's blocks (worker/kv_cache.py)
+    tail_from: int = 0  # the first position it computed itself (its start on first sight)
 
 
 @dataclass(slots=True)
@@ -67,6 +71,8 @@ class _Planned:
     block_table: list[int]
     params: SamplingParams
     sample: bool
+    tail: list[int]
+    tail_from: int
 
 
 def _random_seed() -> int:
@@ -119,6 +125,7 @@ class Engine:
             special_tokens=loaded.special_tokens,
             kv_cache_dtype=kv_dtype_name(r.cache.kv_dtype, r.dtype),
             kv_block_units=r.cache.units,
+            kv_tail_blocks=r.cache.tail_blocks,
         )
 
     def step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
@@ -133,7 +140,8 @@ class Engine:
             raise StepError(None, f"kv_to_int8 needs an auto KV cache in the model's dtype; this one {what}")
         div = 1 if req.kv_to_int8 else cache.block_div
         released = set(req.release)
-        plan = [self._plan(work, released, div) for work in self._unique(req)]
+        int8 = cache.int8 or req.kv_to_int8
+        plan = [self._plan(work, released, div, int8) for work in self._unique(req)]
         pairs = [(c.src, c.dst) for c in req.copies]
         for src, dst in pairs:
             problem = self._bad_block(src, div) or self._bad_block(dst, div)
@@ -173,10 +181,11 @@ class Engine:
             return f"block {block} is not a multiple of {div} (the auto KV cache holds the model's dtype)"
         return None
 
-    def _plan(self, work: worker_pb2.SequenceWork, released: set[int], div: int) -> _Planned:
+    def _plan(self, work: worker_pb2.SequenceWork, released: set[int], div: int, int8: bool) -> _Planned:
         seq_id = work.seq_id
         state = None if seq_id in released else self.seqs.get(seq_id)
         tokens = list(work.token_ids)
+        tail = list(work.tail_blocks)
         if state is None:
             if not work.HasField("sampling"):
                 raise StepError(seq_id, "unknown sequence: first sight needs sampling params")
@@ -184,8 +193,11 @@ class Engine:
                 raise StepError(seq_id, "unknown sequence: a decode (no token_ids) for a sequence never prefilled")
             params = self._params(seq_id, work.sampling)
             table: list[int] = []
+            tail_from = work.start_position
         else:
-            params, table = state.params, state.block_table
+            if tail:
+                raise StepError(seq_id, "tail_blocks are given on a sequence's first sight only")
+            params, table, tail, tail_from = state.params, state.block_table, state.tail, state.tail_from
             if work.start_position != state.num_cached:
                 raise StepError(
                     seq_id, f"start_position {work.start_position} != {state.num_cached} tokens already cached"
@@ -201,6 +213,8 @@ class Engine:
             if problem:
                 raise StepError(seq_id, problem)
         table = table + list(work.new_blocks)
+        if work.tail_blocks:
+            self._check_tail(seq_id, tail, table, div, int8)
         if end > self.runner.max_context:
             raise StepError(seq_id, f"context overflow: position {end - 1} >= max context {self.runner.max_context}")
         if len(table) * block_size < end:
@@ -208,7 +222,20 @@ class Engine:
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise StepError(seq_id, f"token id {bad} out of vocab range [0, {self.vocab_size})")
-        return _Planned(seq_id, tokens, start, table, params, work.sample)
+        return _Planned(seq_id, tokens, start, table, params, work.sample, tail, tail_from)
+
+    def _check_tail(self, seq_id: int, tail: list[int], table: list[int], div: int, int8: bool) -> None:
+        want = self.runner.cache.tail_blocks
+        if not int8 or not want:
+            raise StepError(seq_id, "tail_blocks need an int8 KV cache with kv_tail_blocks > 0")
+        if len(tail) != want:
+            raise StepError(seq_id, f"{len(tail)} tail_blocks given, a tail takes {want}")
+        for b in tail:
+            problem = self._bad_block(b, div) or ("also in its block table" if b in table else None)
+            if problem:
+                raise StepError(seq_id, f"tail block {b}: {problem}")
+        if len(set(tail)) != len(tail):
+            raise StepError(seq_id, f"tail blocks {tail} repeat a block")
 
     def _params(self, seq_id: int, s: worker_pb2.WorkerSampling) -> SamplingParams:
         problem = check_params(s.temperature, s.top_p, s.top_k, s.logprobs)
@@ -221,7 +248,7 @@ class Engine:
         device = self.runner.device
         token_ids = [t for p in plan for t in p.tokens]
         positions = [p.start + i for p in plan for i in range(len(p.tokens))]
-        slices = [SeqSlice(p.seq_id, p.block_table, p.start, len(p.tokens)) for p in plan]
+        slices = [SeqSlice(p.seq_id, p.block_table, p.start, len(p.tokens), p.tail, p.tail_from) for p in plan]
         batch = PackedBatch(
             torch.tensor(token_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
@@ -251,7 +278,7 @@ class Engine:
         for p in plan:
             state = self.seqs.get(p.seq_id)
             if state is None:
-                state = self.seqs[p.seq_id] = SeqState(p.params)
+                state = self.seqs[p.seq_id] = SeqState(p.params, tail=p.tail, tail_from=p.tail_from)
             state.block_table = p.block_table
             state.num_cached = p.start + len(p.tokens)
             state.next_token = next_tokens.get(p.seq_id)

@@ -11,6 +11,14 @@ whole cache to int8 when asked. What each kv_cache_dtype stores (docs/kv_cache.m
   (a multiple of `units`, the dtype's size in bytes) spans units b .. b + units - 1; `to_int8` converts
   every block in place (b keeps its id, the other units become blocks of their own) and the cache stays
   int8 until `reset`.
+
+Full-precision tails (int8, and auto once converted): a sequence may also hold TAIL_BLOCKS int8 blocks whose
+bytes are read as bfloat16 rows, block_size of them, one per offset in a block. Every K/V written goes to its
+int8 block as always and, when it lies in the sequence's last block, what int8 lost of it (x - dequantized x)
+goes to the tail row of its offset; attention adds that back for the last block's positions, which it so reads
+at about float32 precision. The newest positions are where int8 keys cost most greedy agreement
+(docs/kv_cache.md); the int8 blocks stay complete, so prefix sharing, copies and the block manager need to
+know nothing of tails.
 """
 
 from __future__ import annotations
@@ -27,6 +35,13 @@ from worker.model import ModelConfig
 CPU_DEFAULT_BUDGET_BYTES = 256 * 2**20
 KVDtype = Literal["model", "int8", "auto"]
 CONVERT_CHUNK = 256  # blocks converted at a time by to_int8 (bounds its temporary memory)
+TAIL_DTYPE = torch.bfloat16
+TAIL_BLOCKS = 2  # int8 blocks one tail takes: block_size bfloat16 rows in the bytes of 2 x block_size int8 rows
+
+
+def tail_blocks(kv_dtype: KVDtype, block_size: int) -> int:
+    """Int8 blocks a sequence's full-precision tail takes (0: this cache keeps no tails)."""
+    return TAIL_BLOCKS if kv_dtype != "model" and block_size % TAIL_BLOCKS == 0 else 0
 
 
 def units_per_block(dtype: torch.dtype) -> int:
@@ -66,14 +81,16 @@ class PlainStore:
 
     rotation = None  # stored as they come
     scales = None
+    tail = None  # exact already
 
     def __init__(self, data: torch.Tensor, kernels: bool) -> None:
         self.data = data  # [blocks, block_size, kv_heads, head_dim]
         self._rows = data.view(-1, *data.shape[2:])
         self.kernel = kernels and paged_attention.supports(data)
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
-        """x: [T, kv_heads, head_dim] into rows `slots` (block * block_size + offset)."""
+    def write(self, slots: torch.Tensor, x: torch.Tensor, tail_rows: torch.Tensor | None = None) -> None:
+        """x: [T, kv_heads, head_dim] into rows `slots` (block * block_size + offset); `tail_rows` is ignored (a
+        model-dtype store loses nothing)."""
         self._rows.index_copy_(0, slots, x)
 
     def read(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -96,14 +113,28 @@ class Int8Store:
         self._rows = data.view(-1, *data.shape[2:])
         self._scale_rows = scales.view(-1, *scales.shape[2:])
         self.kernel = kernels and paged_attention.supports(data)
+        # The same bytes as bfloat16 tail rows [blocks * block_size / TAIL_BLOCKS, kv_heads, head_dim]: row
+        # b * block_size / TAIL_BLOCKS + i lies in block b (only blocks a sequence holds as its tail are read so).
+        blocks, block_size, kv_heads, dim = data.shape
+        self.tail = None
+        if block_size % TAIL_BLOCKS == 0:
+            self.tail = data.view(blocks, -1).view(TAIL_DTYPE).view(-1, kv_heads, dim)
 
-    def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, x: torch.Tensor, tail_rows: torch.Tensor | None = None) -> None:
+        # What int8 loses of a vector in a sequence's last block (at most half a step) goes to its tail row in
+        # bfloat16, which keeps it to ~2**-9 of that.
+        y = x.float() @ self.rotation
+        tail = None if tail_rows is None else self.tail
         if self.kernel:
-            paged_attention.quantize_write(x.float() @ self.rotation, slots, self._rows, self._scale_rows)
+            paged_attention.quantize_write(y, slots, self._rows, self._scale_rows, tail_rows, tail)
             return
-        q, scale = quantize(x.float() @ self.rotation)
+        q, scale = quantize(y)
         self._rows.index_copy_(0, slots, q)
         self._scale_rows.index_copy_(0, slots, scale)
+        if tail is not None and tail_rows is not None:
+            src = (tail_rows >= 0).nonzero().squeeze(1)
+            residual = y.index_select(0, src) - dequantize(q.index_select(0, src), scale.index_select(0, src), y.dtype)
+            tail.index_copy_(0, tail_rows.index_select(0, src), residual.to(TAIL_DTYPE))
 
     def read(self, blocks: torch.Tensor) -> torch.Tensor:
         # Dequantized as gathered: the int8 path makes the one working copy of the step's blocks that the
@@ -150,6 +181,7 @@ class KVCache:
             scale_shape = (num_blocks, *shape[:2], groups(config.head_dim))
             self._scales = [torch.zeros(scale_shape, dtype=SCALE_DTYPE, device=device) for _ in self._data]
         self.rotation = rotation(config.head_dim).to(device)
+        self.tail_blocks = tail_blocks(kv_dtype, block_size)
         self.int8 = kv_dtype == "int8"
         self.layers = self._stores()
 

@@ -55,7 +55,9 @@ class ModelRunner:
         """Float32 logits of each sequence's last new token ([num_seqs, vocab], in `batch.seqs` order), or of
         every new token ([T, vocab]) when `all_logits`."""
         window = self.loaded.config.sliding_window
-        meta = build_metadata(batch, self.block_size, window, self.device, self.dtype, self.cache.block_div)
+        cache = self.cache
+        kernel = cache.layers[0][0].kernel
+        meta = build_metadata(batch, self.block_size, window, self.device, self.dtype, cache.block_div, kernel)
         model = self.model
         tokens = batch.token_ids.to(self.device, non_blocking=True)
         positions = batch.positions.to(self.device, non_blocking=True)

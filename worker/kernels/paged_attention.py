@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +34,21 @@ class _Shape(ctypes.Structure):
         ),
         ("softmax_scale", ctypes.c_float),
     ]
+
+
+class _Tail(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k", "v", "lo", "rows")]
+
+
+@dataclass(slots=True)
+class Tails:
+    """An int8 cache's full-precision tails (worker/kv_cache.py) as one decode reads them: positions p >= lo[s] of
+    sequence s add row rows[s, p % block_size] of k/v ([rows, KV, D] bfloat16: what int8 lost) to their blocks'."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lo: torch.Tensor  # [S] int64 (a sequence without a tail: its length)
+    rows: torch.Tensor  # [S * block_size] int64
 
 
 def supports(data: torch.Tensor) -> bool:
@@ -59,12 +75,13 @@ def decode(
     window: int | None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    tails: Tails | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its cached positions [length - window, length).
 
     q: [S, H, D]; k_data, v_data: [blocks, block_size, KV, D] (int8 with k_scales/v_scales [blocks, block_size,
-    KV, groups] codes, or bfloat16/float32); tables: [S * B] int64 block ids; lengths: [S] int64 positions
-    cached (this step's included). Returns [S, H, D] in q's dtype.
+    KV, groups] codes and optionally tails, or bfloat16/float32); tables: [S * B] int64 block ids; lengths: [S]
+    int64 positions cached (this step's included). Returns [S, H, D] in q's dtype.
     """
     seqs, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_data.shape
@@ -81,6 +98,10 @@ def decode(
     )
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
+    tail = None
+    if tails is not None:
+        assert k_data.dtype == torch.int8 and tails.k.dtype == tails.v.dtype == torch.bfloat16
+        tail = _Tail(*(t.data_ptr() for t in (tails.k, tails.v, tails.lo, tails.rows)))
     getattr(_loaded(), _DECODE[k_data.dtype])(
         ctypes.c_void_p(qf.data_ptr()),
         ctypes.c_void_p(k_data.data_ptr()),
@@ -91,16 +112,27 @@ def decode(
         ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lengths.data_ptr()),
         ctypes.byref(shape),
+        None if tail is None else ctypes.byref(tail),
         ctypes.c_void_p(out.data_ptr()),
     )
     return out.to(q.dtype)
 
 
-def quantize_write(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, codes: torch.Tensor) -> None:
+def quantize_write(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    data: torch.Tensor,
+    codes: torch.Tensor,
+    tail_rows: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+) -> None:
     """x [T, KV, D] (rotated, any float dtype) quantized into int8 rows `slots` of data [rows, KV, D] and their
-    scale codes into codes [rows, KV, groups], as kv_quant.quantize would."""
+    scale codes into codes [rows, KV, groups], as kv_quant.quantize would; where tail_rows [T] (int64) is >= 0,
+    what that lost (x - dequantized) also goes to that row of tail [tail rows, KV, D] (bfloat16)."""
     xf = x.float().contiguous()
     rows, kv_heads, dim = xf.shape
+    if tail is not None:
+        assert tail_rows is not None and tail.dtype == torch.bfloat16 and tail_rows.numel() == rows
     _loaded().quantize_write(
         ctypes.c_void_p(xf.data_ptr()),
         ctypes.c_void_p(slots.data_ptr()),
@@ -114,4 +146,6 @@ def quantize_write(x: torch.Tensor, slots: torch.Tensor, data: torch.Tensor, cod
         ctypes.c_float(QMAX),
         ctypes.c_void_p(data.data_ptr()),
         ctypes.c_void_p(codes.data_ptr()),
+        ctypes.c_void_p(_ptr(tail_rows if tail is not None else None)),
+        ctypes.c_void_p(_ptr(tail)),
     )

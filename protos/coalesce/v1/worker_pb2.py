@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.coalesce.v1 import common_pb2 as coalesce_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63oalesce/v1/worker.proto\x12\x0b\x63oalesce.v1\x1a\x18\x63oalesce/v1/common.proto\"\r\n\x0bInfoRequest\"\xb0\x03\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0etokenizer_json\x18\n \x01(\x0c\x12\x14\n\x0c\x62os_token_id\x18\x0b \x01(\x05\x12\x15\n\rchat_template\x18\x0c \x01(\t\x12\x44\n\x0especial_tokens\x18\r \x03(\x0b\x32,.coalesce.v1.InfoResponse.SpecialTokensEntry\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12\x16\n\x0ekv_block_units\x18\x0f \x01(\r\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"c\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\xb1\x01\n\x0cSequenceWork\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x12\n\nnew_blocks\x18\x04 \x03(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.coalesce.v1.WorkerSampling\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x94\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x04seqs\x18\x02 \x03(\x0b\x32\x19.coalesce.v1.SequenceWork\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12&\n\x06\x63opies\x18\x04 \x03(\x0b\x32\x16.coalesce.v1.BlockCopy\x12\x12\n\nkv_to_int8\x18\x05 \x01(\x08\"H\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12(\n\x05token\x18\x02 \x01(\x0b\x32\x19.coalesce.v1.TokenLogprob\"\x83\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.coalesce.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x12\x0f\n\x07step_ms\x18\x04 \x01(\x02\x12\x12\n\nnum_tokens\x18\x05 \x01(\r2\x8d\x01\n\rWorkerService\x12;\n\x04Info\x12\x18.coalesce.v1.InfoRequest\x1a\x19.coalesce.v1.InfoResponse\x12?\n\x04Step\x12\x18.coalesce.v1.StepRequest\x1a\x19.coalesce.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63oalesce/v1/worker.proto\x12\x0b\x63oalesce.v1\x1a\x18\x63oalesce/v1/common.proto\"\r\n\x0bInfoRequest\"\xc8\x03\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x16\n\x0etokenizer_json\x18\n \x01(\x0c\x12\x14\n\x0c\x62os_token_id\x18\x0b \x01(\x05\x12\x15\n\rchat_template\x18\x0c \x01(\t\x12\x44\n\x0especial_tokens\x18\r \x03(\x0b\x32,.coalesce.v1.InfoResponse.SpecialTokensEntry\x12\x16\n\x0ekv_cache_dtype\x18\x0e \x01(\t\x12\x16\n\x0ekv_block_units\x18\x0f \x01(\r\x12\x16\n\x0ekv_tail_blocks\x18\x10 \x01(\r\x1a\x34\n\x12SpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"c\n\x0eWorkerSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\r\"\xc6\x01\n\x0cSequenceWork\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x12\n\nnew_blocks\x18\x04 \x03(\r\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.coalesce.v1.WorkerSampling\x12\x0e\n\x06sample\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0btail_blocks\x18\x08 \x03(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\x94\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\'\n\x04seqs\x18\x02 \x03(\x0b\x32\x19.coalesce.v1.SequenceWork\x12\x0f\n\x07release\x18\x03 \x03(\x04\x12&\n\x06\x63opies\x18\x04 \x03(\x0b\x32\x16.coalesce.v1.BlockCopy\x12\x12\n\nkv_to_int8\x18\x05 \x01(\x08\"H\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12(\n\x05token\x18\x02 \x01(\x0b\x32\x19.coalesce.v1.TokenLogprob\"\x83\x01\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12)\n\x06tokens\x18\x02 \x03(\x0b\x32\x19.coalesce.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x12\x0f\n\x07step_ms\x18\x04 \x01(\x02\x12\x12\n\nnum_tokens\x18\x05 \x01(\r2\x8d\x01\n\rWorkerService\x12;\n\x04Info\x12\x18.coalesce.v1.InfoRequest\x1a\x19.coalesce.v1.InfoResponse\x12?\n\x04Step\x12\x18.coalesce.v1.StepRequest\x1a\x19.coalesce.v1.StepResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=67
   _globals['_INFOREQUEST']._serialized_end=80
   _globals['_INFORESPONSE']._serialized_start=83
-  _globals['_INFORESPONSE']._serialized_end=515
-  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=463
-  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=515
-  _globals['_WORKERSAMPLING']._serialized_start=517
-  _globals['_WORKERSAMPLING']._serialized_end=616
-  _globals['_SEQUENCEWORK']._serialized_start=619
-  _globals['_SEQUENCEWORK']._serialized_end=796
-  _globals['_BLOCKCOPY']._serialized_start=798
-  _globals['_BLOCKCOPY']._serialized_end=835
-  _globals['_STEPREQUEST']._serialized_start=838
-  _globals['_STEPREQUEST']._serialized_end=986
-  _globals['_SAMPLEDTOKEN']._serialized_start=988
-  _globals['_SAMPLEDTOKEN']._serialized_end=1060
-  _globals['_STEPRESPONSE']._serialized_start=1063
-  _globals['_STEPRESPONSE']._serialized_end=1194
-  _globals['_WORKERSERVICE']._serialized_start=1197
-  _globals['_WORKERSERVICE']._serialized_end=1338
+  _globals['_INFORESPONSE']._serialized_end=539
+  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_start=487
+  _globals['_INFORESPONSE_SPECIALTOKENSENTRY']._serialized_end=539
+  _globals['_WORKERSAMPLING']._serialized_start=541
+  _globals['_WORKERSAMPLING']._serialized_end=640
+  _globals['_SEQUENCEWORK']._serialized_start=643
+  _globals['_SEQUENCEWORK']._serialized_end=841
+  _globals['_BLOCKCOPY']._serialized_start=843
+  _globals['_BLOCKCOPY']._serialized_end=880
+  _globals['_STEPREQUEST']._serialized_start=883
+  _globals['_STEPREQUEST']._serialized_end=1031
+  _globals['_SAMPLEDTOKEN']._serialized_start=1033
+  _globals['_SAMPLEDTOKEN']._serialized_end=1105
+  _globals['_STEPRESPONSE']._serialized_start=1108
+  _globals['_STEPRESPONSE']._serialized_end=1239
+  _globals['_WORKERSERVICE']._serialized_start=1242
+  _globals['_WORKERSERVICE']._serialized_end=1383
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "chat_template", "special_tokens", "kv_cache_dtype", "kv_block_units")
+    __slots__ = ("model_name", "architecture", "vocab_size", "eos_token_ids", "max_context", "block_size", "num_blocks", "dtype", "device", "tokenizer_json", "bos_token_id", "chat_template", "special_tokens", "kv_cache_dtype", "kv_block_units", "kv_tail_blocks")
     class SpecialTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class InfoResponse(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCK_UNITS_FIELD_NUMBER: _ClassVar[int]
+    KV_TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -50,7 +51,8 @@ class InfoResponse(_message.Message):
     special_tokens: _containers.ScalarMap[str, str]
     kv_cache_dtype: str
     kv_block_units: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_block_units: _Optional[int] = ...) -> None: ...
+    kv_tail_blocks: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., special_tokens: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_block_units: _Optional[int] = ..., kv_tail_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "logprobs")
@@ -67,7 +69,7 @@ class WorkerSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SequenceWork(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "new_blocks", "sampling", "sample", "traceparent")
+    __slots__ = ("seq_id", "token_ids", "start_position", "new_blocks", "sampling", "sample", "traceparent", "tail_blocks")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,7 @@ class SequenceWork(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -82,7 +85,8 @@ class SequenceWork(_message.Message):
     sampling: WorkerSampling
     sample: bool
     traceparent: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., sample: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    tail_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[WorkerSampling, _Mapping]] = ..., sample: _Optional[bool] = ..., traceparent: _Optional[str] = ..., tail_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
