@@ -14,6 +14,9 @@ A worker whose KV cache is `auto` (docs/kv_cache.md) has `units` int8-sized bloc
 are model-dtype blocks of `per_block` units each, with ids the multiples of `per_block`. `to_int8` makes every
 unit a block: a block in use or cached keeps its id (the worker converts it in place) and the other units
 join the free list. Block counts (used, free, per pool) are in blocks of the current kind.
+
+On an int8 cache each running sequence also holds `tail` fresh blocks for its full-precision tail
+(docs/kv_cache.md): allocated with its table, charged to its pool, freed with it, never indexed.
 """
 
 from __future__ import annotations
@@ -153,9 +156,10 @@ class BlockManager:
         self.free_ids.extend(u for u in range(self.units) if u % self.stride or u >= whole)
         self.stride, self.num_blocks = 1, self.units
 
-    def allocate(self, seq: Sequence, hit: Hit, total: int) -> list[tuple[int, int]]:
-        """Give `seq` a table of `total` blocks starting with `hit`; returns the (src, dst) copies to do first."""
-        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
+    def allocate(self, seq: Sequence, hit: Hit, total: int, tail: int = 0) -> list[tuple[int, int]]:
+        """Give `seq` a table of `total` blocks starting with `hit`, and `tail` tail blocks; returns the (src, dst)
+        copies to do first."""
+        assert not seq.block_table and not seq.tail_blocks, f"seq {seq.seq_id} already holds blocks"
         for b in hit.attach:
             self._take(b, seq.pool)
         table = list(hit.attach)
@@ -167,6 +171,7 @@ class BlockManager:
         while len(table) < total:
             table.append(self._fresh(seq.pool))
         seq.block_table = table
+        seq.tail_blocks = [self._fresh(seq.pool) for _ in range(tail)]
         seq.hashes = list(hit.hashes)
         self.queries += seq.num_tokens
         self.hits += hit.tokens
@@ -183,7 +188,13 @@ class BlockManager:
         return b
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s blocks. Tail blocks go first so that LRU eviction takes chain tails before heads."""
+        """Drop `seq`'s blocks. The table's last blocks go first so that LRU eviction takes chain ends before
+        heads; its full-precision tail's blocks (never indexed) go straight to the free list."""
+        for b in seq.tail_blocks:
+            self._uncharge(seq.pool, b)
+            self.blocks[b].ref = 0
+            self.free_ids.append(b)
+        seq.tail_blocks = []
         for b in reversed(seq.block_table):
             self._uncharge(seq.pool, b)
             blk = self.blocks[b]

@@ -20,6 +20,8 @@ still published only at `complete`, once the KV is written.
 An `auto` KV cache (docs/kv_cache.md): when a block allocation does not fit (after evicting cached blocks), the
 whole cache converts to int8 in the plan being made (`StepPlan.kv_to_int8`), which multiplies the blocks and
 quotas by the worker's kv_block_units; only if that is not enough does a decode preempt (or an admission wait).
+On an int8 cache (auto: once converted) each sequence admitted also takes the worker's kv_tail_blocks blocks
+for its full-precision tail, counted in its admission cost and its pool's quota.
 
 Releases: a sequence the worker knows is released exactly once, in the `release` list of a plan, when it
 finishes, is aborted or is preempted. A preempted sequence keeps its seq id: it is released in the plan
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from control_plane.batch_buffer import QueueFull, deadline, fair_order, released, retry_after
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import BlockManager, Hit
 from control_plane.config import PoolSettings, PoolsSettings, SchedulerSettings
 from control_plane.sequence import POOLS, SeqEvent, Sequence, Status
 from control_plane.step_plan import StepPlan, StepState, Work, chunk, pick_victim
@@ -70,9 +72,12 @@ class Scheduler:
         max_context: int,
         clock: Callable[[], float],
         kv_block_units: int = 1,
+        kv_tail_blocks: int = 0,
     ) -> None:
-        """`kv_block_units` > 1: the worker's cache is auto (its InfoResponse.kv_block_units)."""
+        """`kv_block_units` > 1: the worker's cache is auto; `kv_tail_blocks`: the blocks of a sequence's tail on
+        an int8 cache (the worker's InfoResponse fields)."""
         self.bm = BlockManager(num_blocks, block_size, kv_block_units)
+        self.kv_tail_blocks = kv_tail_blocks
         self.block_size = block_size
         self.settings = settings
         self.max_context = max_context
@@ -99,7 +104,8 @@ class Scheduler:
         if seq.num_tokens >= self.max_context:
             raise TooLarge(f"{seq.num_tokens} tokens leave no room to generate within {self.max_context}")
         kv = min(seq.num_tokens + seq.max_tokens - len(seq.output_ids) - 1, self.max_context - 1)
-        need, room = -(-kv // self.block_size), min(self._quotas(self.bm.units)[seq.pool], self.bm.units)
+        need = -(-kv // self.block_size) + self.kv_tail_blocks
+        room = min(self._quotas(self.bm.units)[seq.pool], self.bm.units)
         if need > room:
             raise TooLarge(f"{need} KV blocks needed, the {seq.pool} pool may hold {room}")
         pool, queue = self.pools[seq.pool], self.waiting[seq.pool]
@@ -315,14 +321,24 @@ class Scheduler:
                     seq.skipped = True
                     continue
                 total = -(-len(tokens) // self.block_size)
-                cost = self.bm.cost(hit, total, p)
-                if not self._fits(p, *cost) and not (self._to_int8(plan) and self._fits(p, *cost)):
+                # The cost is taken again after a conversion: blocks are int8 from then on and a tail costs more.
+                fits = self._fits(p, *self._cost(hit, total, p))
+                if not fits and not (self._to_int8(plan) and self._fits(p, *self._cost(hit, total, p))):
                     break  # no room for the head: nothing behind it jumps ahead
                 queue.remove(seq)
                 self._start(seq, hit.tokens, now, plan)
-                plan.copies += self.bm.allocate(seq, hit, total)
+                plan.copies += self.bm.allocate(seq, hit, total, self._tail())
                 seq.num_computed = seq.num_scheduled = hit.tokens
                 self._prefill(seq, plan, step, n, new=list(seq.block_table))
+
+    def _tail(self) -> int:
+        """Blocks a sequence admitted now takes for its full-precision tail (none until an auto cache converts)."""
+        return 0 if self.bm.can_switch else self.kv_tail_blocks
+
+    def _cost(self, hit: Hit, total: int, pool: str) -> tuple[int, int]:
+        """(blocks charged to `pool`, blocks taken from the supply) to admit a table of `total` after `hit`."""
+        charge, supply = self.bm.cost(hit, total, pool)
+        return charge + self._tail(), supply + self._tail()
 
     def _start(self, seq: Sequence, cached: int, now: float, plan: StepPlan) -> None:
         seq.status = Status.RUNNING

@@ -57,6 +57,8 @@ class Sequence:
     # older incarnation are stale and ignored, so a recomputed sequence never receives an old token.
     incarnation: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Blocks held as its full-precision tail on an int8 KV cache (worker/kv_cache.py); charged like its table.
+    tail_blocks: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks whose KV is computed (published or hit), one per block from 0.
     hashes: list[int] = field(default_factory=list)
     # Prefix-cache hit of the first admission, in prompt tokens (reported as usage).

@@ -69,6 +69,7 @@ class StepPlan:
             )
             if w.first:
                 sw.sampling.CopyFrom(w.seq.sampling)
+                sw.tail_blocks.extend(w.seq.tail_blocks)
         return req
 
 

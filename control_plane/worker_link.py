@@ -119,7 +119,14 @@ class WorkerLink:
         if self.scheduler is None or replaced:
             pools, sched = self.settings.pools, self.settings.scheduler
             self.scheduler = Scheduler(
-                info.num_blocks, info.block_size, pools, sched, info.max_context, self.clock, info.kv_block_units or 1
+                info.num_blocks,
+                info.block_size,
+                pools,
+                sched,
+                info.max_context,
+                self.clock,
+                info.kv_block_units or 1,
+                info.kv_tail_blocks,
             )
         self.info = info
         self.connected.set()
@@ -214,6 +221,6 @@ class WorkerLink:
             self.on_lost(self, 0, "down")
 
 
-def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int, int]:
+def _geometry(info: worker_pb2.InfoResponse) -> tuple[int, int, int, int, int]:
     """What the scheduler is built for: a worker that comes back with another cache needs a new one."""
-    return info.num_blocks, info.block_size, info.max_context, info.kv_block_units
+    return info.num_blocks, info.block_size, info.max_context, info.kv_block_units, info.kv_tail_blocks

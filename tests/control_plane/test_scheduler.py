@@ -31,6 +31,7 @@ def make(
     max_queue: int = 100,
     max_context: int = 4096,
     kv_units: int = 1,
+    kv_tail: int = 0,
 ) -> tuple[Scheduler, Clock]:
     pools = PoolsSettings(
         interactive=PoolSettings(max_batch=max_batch[0], max_wait_ms=wait_ms[0], kv_share=shares[0], stream=True),
@@ -40,7 +41,7 @@ def make(
     )
     clock = Clock()
     settings = SchedulerSettings(max_step_tokens=budget, prefill_ratio=ratio)
-    return Scheduler(num_blocks, block_size, pools, settings, max_context, clock, kv_units), clock
+    return Scheduler(num_blocks, block_size, pools, settings, max_context, clock, kv_units, kv_tail), clock
 
 
 _ids = iter(range(1, 1_000_000))

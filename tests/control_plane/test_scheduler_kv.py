@@ -81,3 +81,46 @@ def test_worker_loss_starts_the_next_session_in_the_model_dtype() -> None:
     s.requeue_all()
     assert (s.bm.num_blocks, s.quota["interactive"], s.stats().kv_int8) == (8, 4, False)
     assert step(s).kv_to_int8  # the new session converts again when it needs to
+
+
+def test_int8_sequences_hold_tail_blocks_charged_to_their_pool_and_freed_with_them() -> None:
+    # 12 int8 blocks of 4 tokens, tails of 2: a 7-token prompt (+ 1 to generate) takes 2 + 2 blocks.
+    s, _ = make(num_blocks=12, block_size=4, shares=(1.0, 1.0), kv_tail=2)
+    seqs = [req(7, max_tokens=2) for _ in range(4)]
+    for q in seqs:
+        s.add(q)
+    plan = step(s)
+    admitted = [w.seq for w in plan.works]
+    assert admitted == seqs[:3]  # 3 x 4 blocks: the 4th waits (without tails 6 would fit)
+    held = [b for q in admitted for b in q.block_table + q.tail_blocks]
+    assert len(held) == len(set(held)) == 12 and s.stats().kv_used == 12
+    req0 = plan.to_request(1)
+    assert [list(w.tail_blocks) for w in req0.seqs] == [q.tail_blocks for q in admitted]
+    assert all(len(q.tail_blocks) == 2 for q in admitted)
+    later = s.schedule()  # decodes: tails are sent on first sight only
+    assert later is not None and all(not w.tail_blocks for w in later.to_request(2).seqs)
+    s.complete(later, {w.seq.seq_id: 5 for w in later.works})  # max_tokens: the three finish
+    assert all(q.status is Status.FINISHED and not q.tail_blocks for q in admitted)
+    step(s)  # the 4th runs on the freed blocks
+    while s.has_work():
+        step(s)
+    assert s.stats().kv_used == 0 and s.bm.num_free + s.bm.num_cached == 12
+
+
+def test_tails_count_in_the_largest_sequence_a_pool_accepts() -> None:
+    with pytest.raises(TooLarge, match="6 KV blocks needed"):  # 4 blocks of KV + 2 of tail > quota 5
+        make(num_blocks=10, block_size=4, shares=(0.5, 0.5), kv_tail=2)[0].add(req(10, max_tokens=7))
+    make(num_blocks=10, block_size=4, shares=(0.5, 0.5))[0].add(req(10, max_tokens=7))  # 4 alone fit
+
+
+def test_an_auto_cache_gives_tails_from_its_conversion_on() -> None:
+    s, _ = make(num_blocks=16, block_size=4, shares=(1.0, 1.0), kv_units=2, kv_tail=2)
+    first = req(16, max_tokens=20)  # 4 of the 8 model-dtype blocks, 5 once it decodes
+    s.add(first)
+    step(s)
+    assert first.tail_blocks == []  # a model-dtype cache keeps no tails
+    big = req(20, max_tokens=4)
+    s.add(big)
+    plan = step(s)  # 5 more blocks do not fit the 3 left: the cache converts, and big gets a tail
+    assert plan.kv_to_int8 and len(big.tail_blocks) == 2 and first.tail_blocks == []
+    assert not set(big.tail_blocks) & set(big.block_table + first.block_table)
