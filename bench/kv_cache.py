@@ -43,7 +43,7 @@ from protos.coalesce.v1 import worker_pb2  # noqa: E402
 from worker.builtin import BUILTIN_CONFIG  # noqa: E402
 from worker.config import WorkerSettings  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.kv_cache import block_bytes, blocks_for_budget  # noqa: E402
+from worker.kv_cache import TAIL_BLOCKS, block_bytes, blocks_for_budget, tail_blocks  # noqa: E402
 from worker.model import ModelConfig  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 
@@ -57,7 +57,7 @@ def capacity(name: str, config: ModelConfig, mb: int, context: int) -> list[str]
     rows = [
         ("bfloat16", torch.bfloat16, "model"),
         ("float32", torch.float32, "model"),
-        ("int8", torch.bfloat16, "int8"),
+        (f"int8 (+ a {TAIL_BLOCKS}-block tail per sequence)", torch.bfloat16, "int8"),
         ("auto, bfloat16 model, before converting", torch.bfloat16, "auto"),
         ("auto, float32 model, before converting", torch.float32, "auto"),
     ]
@@ -67,7 +67,8 @@ def capacity(name: str, config: ModelConfig, mb: int, context: int) -> list[str]
         blocks = blocks_for_budget(config, BLOCK_SIZE, dtype, mb * 2**20, kv)  # type: ignore[arg-type]
         units = torch.empty((), dtype=dtype).element_size() if kv == "auto" else 1
         bytes_per_token = block_bytes(config, BLOCK_SIZE, dtype, kv) * units / BLOCK_SIZE  # type: ignore[arg-type]
-        seqs[label] = n = blocks // units // per_seq
+        tail = tail_blocks("int8", BLOCK_SIZE) if kv == "int8" else 0  # auto: none until it converts
+        seqs[label] = n = blocks // units // (per_seq + tail)
         bf16, fp32 = seqs.get("bfloat16", n), seqs.get("float32", n)
         out.append(
             f"| {name} | {label} | {bytes_per_token / 1024:.1f} KiB | {blocks // units:,} | {n:,} "
@@ -79,7 +80,7 @@ def capacity(name: str, config: ModelConfig, mb: int, context: int) -> list[str]
 # -- 2. decode speed ---------------------------------------------------------------------------------------
 def decode_speed(model: str, dtype: str, batch: int, context: int, steps: int, repeats: int) -> dict[str, float]:
     """Best decode tok/s of four engines: {model, int8} cache x {torch ops, the C++ kernels}."""
-    need = batch * -(-(context + steps + 1) // BLOCK_SIZE)
+    need = batch * (-(-(context + steps + 1) // BLOCK_SIZE) + TAIL_BLOCKS)  # int8: tails too
     engines = {}
     for kernels in (False, True):
         for kv in ("model", "int8"):

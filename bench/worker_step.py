@@ -68,6 +68,9 @@ def bench_engine(engine: Engine, batch: list[list[int]], steps: int) -> tuple[fl
     length = len(batch[0])
     per_seq = -(-(length + steps + 1) // BLOCK_SIZE)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(batch))]
+    # An int8 cache's full-precision tails after the tables, as the scheduler gives them (docs/kv_cache.md).
+    k, top = engine.runner.cache.tail_blocks if engine.runner.cache.int8 else 0, len(batch) * per_seq
+    tails = [list(range(top + i * k, top + (i + 1) * k)) for i in range(len(batch))]
     out: list[list[int]] = [[] for _ in batch]
     step_id = 0
 
@@ -85,6 +88,7 @@ def bench_engine(engine: Engine, batch: list[list[int]], steps: int) -> tuple[fl
                     seq_id=i,
                     token_ids=batch[i],
                     new_blocks=tables[i],
+                    tail_blocks=tails[i],
                     sampling=worker_pb2.WorkerSampling(),
                     sample=True,
                 )

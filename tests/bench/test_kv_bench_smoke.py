@@ -29,11 +29,13 @@ def test_quality_quick_run(tmp_path: Path) -> None:
     for name in ("a", "b"):
         (tmp_path / f"{name}.txt").write_text(f"{name}: {TEXT}", encoding="utf-8")
     out = tmp_path / "report.md"
+    docs = str(tmp_path / "*.txt")
     stdout = run(
-        "bench/kv_quality.py", "--model", "builtin", "--quick", "--docs", str(tmp_path / "*.txt"), "--out", str(out)
+        "bench/kv_quality.py", "--model", "builtin", "--quick", "--docs", docs, "--prompt-sets", "2", "--out", str(out)
     )
-    assert "| cache | perplexity | vs model dtype | greedy tokens agreeing |" in stdout
-    assert "| model dtype | " in stdout and "| int8 | " in stdout
+    assert "| cache | perplexity | vs model dtype | greedy tokens agreeing | per prompt set |" in stdout
+    assert "| model dtype | " in stdout and "| int8 | " in stdout and "| int8 without tails | " in stdout
+    assert re.search(r"\| int8 \| [\d.]+ \| [-+\d.]+ % \| [\d.]+ % \| [\d.]+ / [\d.]+ \| \d+/16 \|", stdout)
     assert "| perplexity vs model dtype |" in stdout and "| greedy tokens agreeing |" in stdout
     assert out.read_text().strip() == stdout.strip()
 
@@ -61,7 +63,8 @@ def test_cache_quick_run_preempts_only_without_int8() -> None:
     for dtype in ("float32", "bfloat16"):  # decode speed, int8 against each model dtype's own cache
         pair = r"[\d,]+ / [\d,]+"
         assert re.search(rf"\| {dtype} \| 64 \| {pair} \| {pair} \| [\d.]+x \| [\d.]+x \|", stdout)
-    assert re.search(r"\| builtin \| int8 \| [\d.]+ KiB \| [\d,]+ \| [\d,]+ \| 1\.9\dx \| 3\.8\dx \|", stdout)
+    int8 = r"int8 \(\+ a 2-block tail per sequence\)"  # capacity: tails included
+    assert re.search(rf"\| builtin \| {int8} \| [\d.]+ KiB \| [\d,]+ \| [\d,]+ \| 1\.9\dx \| 3\.8\dx \|", stdout)
     load = {
         m.group(1): (int(m.group(2)), m.group(3))
         for m in re.finditer(r"\| builtin kv (\w+) \|.*?\| (\d+) \| (\w+) \|", stdout)
