@@ -130,9 +130,14 @@ void decode(const float* q, const T* k, const uint8_t* k_codes, const T* v, cons
       // Positions [split, length) add the sequence's tail rows to what its blocks hold.
       const int64_t split = tail.lo ? std::clamp(tail.lo[s], lo, length) : length;
       const int64_t* tail_rows = tail.rows ? tail.rows + s * sh.block_size : nullptr;
-      auto tail_row = [&](int64_t p) { return tail_rows[p % sh.block_size] * sh.kv_heads + h; };
-      auto block_row = [&](int64_t p) {
-        return (table[p / sh.block_size] * sh.block_size + p % sh.block_size) * sh.kv_heads + h;
+      // f(p) for p in [split, length) with `row` holding what the blocks hold plus the tail's residual.
+      auto tail_pass = [&](const T* data, const uint8_t* codes, const uint16_t* residuals, auto f) {
+        for (int64_t p = split; p < length; ++p) {
+          const int64_t o = p % sh.block_size, r = (table[p / sh.block_size] * sh.block_size + o) * sh.kv_heads + h;
+          load_row(data + r * dim, codes + r * sh.groups, scales, dim, group, row.data());
+          add_row(residuals + (tail_rows[o] * sh.kv_heads + h) * dim, dim, row.data());
+          f(p);
+        }
       };
       auto score = [&](int64_t p) {
         for (int64_t j = 0; j < per_kv; ++j) {
@@ -146,12 +151,7 @@ void decode(const float* q, const T* k, const uint8_t* k_codes, const T* v, cons
         load_row(k + r * dim, k_codes + r * sh.groups, scales, dim, group, row.data());
         score(p);
       });
-      for (int64_t p = split; p < length; ++p) {
-        const int64_t r = block_row(p);
-        load_row(k + r * dim, k_codes + r * sh.groups, scales, dim, group, row.data());
-        add_row(tail.k + tail_row(p) * dim, dim, row.data());
-        score(p);
-      }
+      tail_pass(k, k_codes, tail.k, score);
       for (int64_t j = 0; j < per_kv; ++j) {
         float* w = weights.data() + j * n;
         const float m = *std::max_element(w, w + n);
@@ -176,12 +176,7 @@ void decode(const float* q, const T* k, const uint8_t* k_codes, const T* v, cons
         load_row(v + r * dim, v_codes + r * sh.groups, scales, dim, group, row.data());
         accumulate(p);
       });
-      for (int64_t p = split; p < length; ++p) {
-        const int64_t r = block_row(p);
-        load_row(v + r * dim, v_codes + r * sh.groups, scales, dim, group, row.data());
-        add_row(tail.v + tail_row(p) * dim, dim, row.data());
-        accumulate(p);
-      }
+      tail_pass(v, v_codes, tail.v, accumulate);
       for (int64_t j = 0; j < per_kv; ++j) {
         float* o = out + (s * sh.heads + h * per_kv + j) * dim;
         const float inv = 1.0f / total[j];
