@@ -189,13 +189,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s blocks. The table's last blocks go first so that LRU eviction takes chain ends before
-        heads; its full-precision tail's blocks (never indexed) go straight to the free list."""
-        for b in seq.tail_blocks:
-            self._uncharge(seq.pool, b)
-            self.blocks[b].ref = 0
-            self.free_ids.append(b)
-        seq.tail_blocks = []
-        for b in reversed(seq.block_table):
+        heads; its full-precision tail's blocks, never indexed, go to the free list."""
+        for b in [*reversed(seq.block_table), *seq.tail_blocks]:
             self._uncharge(seq.pool, b)
             blk = self.blocks[b]
             blk.ref -= 1
@@ -205,7 +200,7 @@ class BlockManager:
                     self.free_ids.append(b)
                 else:
                     self.lru[b] = None
-        seq.block_table = []
+        seq.block_table, seq.tail_blocks = [], []
 
     def publish(self, block: int, h: int) -> None:
         """Index a block whose KV is now computed. A duplicate hash keeps the block already indexed."""

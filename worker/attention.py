@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from worker import kv_tails
-from worker.batch import PackedBatch, RowMap, SeqSlice
+from worker.batch import PackedBatch, SeqSlice
 from worker.kernels import paged_attention
 from worker.kv_quant import rotate
+from worker.kv_tails import RowMap
 
 
 class KVStore(Protocol):
@@ -59,8 +60,7 @@ class DecodeGroup:
     window: int | None  # the sliding window, if any
     # With tails: for the kernel, the first position corrected by a tail ([D] int64; `lengths` where none)
     # and each sequence's tail row per block offset ([D * block_size] int64) ...
-    tail_lo: torch.Tensor | None = None
-    tail_rows: torch.Tensor | None = None
+    tail_index: tuple[torch.Tensor, torch.Tensor] | None = None
     # ... and for the torch path, which tail rows are added to which of the gathered [D * B * block_size].
     tail_reads: RowMap | None = None
 
@@ -111,7 +111,8 @@ def build_metadata(
     `decode_kernel` (the stores' `kernel`), what only the torch decode path reads is not built."""
     offsets = torch.arange(block_size)
     new_slots: list[int] = []
-    write_rows: list[int] = []  # each new token's tail row, -1 where none
+    has_tails = any(s.tail for s in batch.seqs)
+    write_rows: list[int] = []  # with tails: each new token's tail row, -1 where none
     pre_seqs: list[tuple[int, SeqSlice]] = []
     dec_rows: list[int] = []
     dec_seqs: list[SeqSlice] = []
@@ -131,7 +132,8 @@ def build_metadata(
             pre_seqs.append((row, s))
             table = torch.tensor(s.block_table[: -(-end // block_size)]) // block_div
             new_slots += (table[:, None] * block_size + offsets).flatten()[s.start : end].tolist()
-        write_rows += kv_tails.writes(s, block_size)
+        if has_tails:
+            write_rows += kv_tails.writes(s, block_size)
         row += s.num_tokens
     if row != batch.num_tokens or batch.positions.shape != batch.token_ids.shape:
         raise ValueError(
@@ -154,12 +156,11 @@ def build_metadata(
             if decode_kernel:
                 lo = [kv_tails.lo(s, block_size) if s.tail else s.start + 1 for s in dec_seqs]
                 tails = [r for s in dec_seqs for r in (kv_tails.rows(s, block_size) if s.tail else [0] * block_size)]
-                decode.tail_lo = torch.tensor(lo, dtype=torch.int64).to(device)
-                decode.tail_rows = torch.tensor(tails, dtype=torch.int64).to(device)
+                decode.tail_index = (torch.tensor(lo).to(device), torch.tensor(tails).to(device))
             else:
                 decode.tail_reads = kv_tails.reads(dec_seqs, nblocks * block_size, block_size, device)
     prefill = _prefill_group(pre_seqs, block_size, sliding_window, device, dtype, block_div) if pre_seqs else None
-    writes = torch.tensor(write_rows, dtype=torch.int64).to(device) if max(write_rows, default=-1) >= 0 else None
+    writes = torch.tensor(write_rows, dtype=torch.int64).to(device) if has_tails else None
     return AttentionMetadata(torch.tensor(new_slots, dtype=torch.int64).to(device), decode, prefill, writes)
 
 
@@ -233,13 +234,8 @@ def _over_cache(
         qd = q if meta.prefill is None else q.index_select(0, d.rows)
         if k_cache.kernel:
             tails = None
-            if (
-                d.tail_lo is not None
-                and d.tail_rows is not None
-                and k_cache.tail is not None
-                and v_cache.tail is not None
-            ):
-                tails = paged_attention.Tails(k_cache.tail, v_cache.tail, d.tail_lo, d.tail_rows)
+            if d.tail_index is not None and k_cache.tail is not None and v_cache.tail is not None:
+                tails = paged_attention.Tails(k_cache.tail, v_cache.tail, *d.tail_index)
             od = paged_attention.decode(
                 qd, k_cache.data, v_cache.data, d.blocks, d.lengths, d.window, k_cache.scales, v_cache.scales, tails
             )

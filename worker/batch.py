@@ -41,11 +41,3 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
-
-
-@dataclass(slots=True)
-class RowMap:
-    """Rows `src` of one tensor go to rows `dst` of another (int64 index tensors of one length)."""
-
-    src: torch.Tensor
-    dst: torch.Tensor

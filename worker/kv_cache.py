@@ -117,7 +117,7 @@ class Int8Store:
         # b * block_size / TAIL_BLOCKS + i lies in block b (only blocks a sequence holds as its tail are read so).
         blocks, block_size, kv_heads, dim = data.shape
         self.tail = None
-        if block_size % TAIL_BLOCKS == 0:
+        if tail_blocks("int8", block_size):
             self.tail = data.view(blocks, -1).view(TAIL_DTYPE).view(-1, kv_heads, dim)
 
     def write(self, slots: torch.Tensor, x: torch.Tensor, tail_rows: torch.Tensor | None = None) -> None:

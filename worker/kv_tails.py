@@ -10,9 +10,19 @@ SeqSlices, for worker/attention.py's build_metadata.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from worker.batch import RowMap, SeqSlice
+from worker.batch import SeqSlice
+
+
+@dataclass(slots=True)
+class RowMap:
+    """Rows `src` of one tensor go to rows `dst` of another (int64 index tensors of one length)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
 
 
 def row(s: SeqSlice, offset: int, block_size: int) -> int:
