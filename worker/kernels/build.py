@@ -1,8 +1,9 @@
 """C++ kernels compiled on first use into a shared library cached by content, loaded with ctypes.
 
-No torch headers and no build step at install: a kernel file compiles with the system's g++ in about a
-second. The cache key covers the source, the flags, the compiler and this CPU's feature flags (the code is
-built with -march=native), so a cache directory shared by machines never serves a foreign build. Without a
+No torch headers and no build step at install: a kernel file compiles with the system's g++ in a second or
+two. The cache key covers the sources (all of this folder's: one may include another), the flags, the compiler
+and this CPU's feature flags (the code is built with -march=native), so a cache directory shared by machines
+never serves a foreign build. Without a
 compiler, or when compiling fails, `load` returns None and callers keep their torch code path.
 """
 
@@ -46,7 +47,10 @@ def load(name: str) -> ctypes.CDLL | None:
         log.warning("no C++ compiler: the %s kernels are off (torch fallback)", name)
         return None
     source = Path(__file__).with_name(f"{name}.cpp")
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, compiler, _cpu_flags()]).encode()).hexdigest()[:16]
+    # Every source here, not only this one: a kernel may #include the others (decode_step.cpp does).
+    sources = [f.read_text() for f in sorted(source.parent.glob("*.[ch]*")) if f.suffix in (".cpp", ".h")]
+    text = "\0".join([source.name, *sources, *FLAGS, compiler, _cpu_flags()])
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     target = default_cache_dir() / "kernels" / f"{name}-{key}.so"
     try:
         if not target.exists():
@@ -59,13 +63,13 @@ def load(name: str) -> ctypes.CDLL | None:
     return None
 
 
-def _compile(compiler: str, source: Path, target: Path) -> None:
+def _compile(compiler: str, source: Path, target: Path, flags: list[str] = FLAGS) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built aside and renamed into place: concurrent workers never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -11,28 +11,12 @@
 #include <cstring>
 #include <vector>
 
+#include "numeric.h"
+
 namespace {
 
-// exp for x <= 0 (softmax after subtracting the max), written so that loops over it vectorize: libm's expf
-// does not. 2**n * p(r) with r = x - n ln2, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (relative error
-// under 2e-7); below -87 the result is 0.
-#pragma omp declare simd
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+using coalesce::exp_nonpositive;
+using coalesce::to_bf16;
 
 // One cached row (a position's K or V of one KV head) as floats. Int8 rows are scaled per channel group;
 // `scales` maps a one-byte code to its float scale (worker/kv_quant.py).
@@ -219,14 +203,6 @@ void decode_bf16(const float* q, const uint16_t* k, const uint8_t*, const uint16
 void decode_f32(const float* q, const float* k, const uint8_t*, const float* v, const uint8_t*, const float*,
                 const int64_t* tables, const int64_t* lengths, const Shape* sh, const Tail*, float* out) {
   decode_any(q, k, nullptr, v, nullptr, nullptr, tables, lengths, *sh, Tail{}, out);
-}
-
-// float32 -> bfloat16, rounded to nearest even (as torch's conversion; no NaNs come here).
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 // x: [rows, kv_heads, dim] float32 (already rotated) quantized into cache rows slots[i] as worker/kv_quant.py's
