@@ -2,9 +2,10 @@
 worker/quant_linear.py), against dense weights in `--dtype` (bfloat16 by default).
 
 Each document is fed through the worker's ModelRunner in `--chunk`-token prefill chunks (the serving forward
-pass and paged cache, as bench/kv_quality.py does for the KV cache); the NLL of every next token. Every step
-of a quantized mode runs its quantized kernels (`auto` would run these large prefill steps dense, so it is
-not a row: its small steps are the int8 row's). Goals (docs/architecture.md, worker): int8 within 1 %, int4
+pass and paged cache, as bench/kv_quality.py does for the KV cache); the NLL of every next token. The default
+chunk, QUANT_MAX_TOKENS, keeps every step of a quantized mode on its quantized kernel, whose activations are
+int8 as in decode steps (`auto` would run such steps dense, so it is not a row: its small steps are the int4
+row's). Goals (docs/architecture.md, worker): int8 within 1 %, int4
 within 3 % of dense.
 
     .venv/bin/python bench/perplexity.py [--model smollm2] [--docs 'GLOB'] [--dtype bfloat16] [--quick]
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from bench.kv_quality import BLOCK_SIZE, DEFAULT_DOCS, load_docs, perplexity  # noqa: E402
 from worker.device import DTYPES  # noqa: E402
 from worker.loading import load_model  # noqa: E402
+from worker.quant_linear import QUANT_MAX_TOKENS  # noqa: E402
 from worker.runner import ModelRunner  # noqa: E402
 
 GOALS = {"int8": 0.01, "int4": 0.03}
@@ -47,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), builtin, a .gguf file or a dir")
     parser.add_argument("--docs", default=DEFAULT_DOCS, help="glob of UTF-8 text files (default: ../shared/seeds)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype of every row")
-    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    parser.add_argument("--chunk", type=int, default=QUANT_MAX_TOKENS, help="prefill chunk (tokens)")
     parser.add_argument("--limit", type=int, default=0, help="tokens per document (0: all)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 128 tokens per document")

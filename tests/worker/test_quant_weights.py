@@ -1,73 +1,57 @@
-"""Weight-only quantized linears (`--weights`, worker/quant_linear.py): the quantizers' error bounds, each
-kernel against the dequantized weights it stands for, each mode's logits near dense, and `auto` choosing per
-step. The dense float32 path against transformers is test_numerics.py (it loads with the default, dense)."""
+"""Weight-only quantized linears (`--weights`, worker/quant_linear.py): the kernel for small steps and the
+dequantized weights for large ones, each mode's logits near dense, and `auto` choosing per step (the kernel
+itself: test_quant_matmul.py; the one-call decode step: test_decode_step.py). The dense float32 path against
+transformers is test_numerics.py (it loads with the default, dense)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from worker.batch import PackedBatch, SeqSlice
+from worker.kernels import quant_matmul
 from worker.loaded import ModelLoadError
 from worker.loading import load_model
-from worker.quant_linear import (
-    INT4_GROUP,
-    KERNEL_DTYPE,
-    QuantLinear,
-    dequantize_int4,
-    quantize_int4,
-    quantize_int8,
-)
+from worker.quant_linear import AUTO_MAX_TOKENS, QUANT_MAX_TOKENS, QuantLinear, quantize_weights
 from worker.runner import ModelRunner
 
 CPU, FP32, BF16 = torch.device("cpu"), torch.float32, torch.bfloat16
 
 
-def test_int8_error_is_at_most_half_a_step() -> None:
-    w = torch.randn(96, 64) * torch.logspace(-2, 1, 96)[:, None]  # rows of very different scales
-    q, scales = quantize_int8(w)
-    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
-    assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 + 1e-7).all()
-
-
-def test_int4_error_is_at_most_half_a_step_per_group() -> None:
-    w = torch.randn(48, 4 * INT4_GROUP)
-    codes, sz = quantize_int4(w)
-    assert sz.shape == (4, 48, 2) and int(codes.min()) == 0 and int(codes.max()) == 15
-    step = sz[..., 0].transpose(0, 1).repeat_interleave(INT4_GROUP, dim=1)
-    assert ((dequantize_int4(codes, sz) - w).abs() <= step / 2 + 1e-6).all()
-
-
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [FP32, BF16])
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_kernel_equals_its_dequantized_weights(kind: str, dtype: torch.dtype) -> None:
-    """The kernels run in bfloat16 (KERNEL_DTYPE) whatever the model's dtype: the reference rounds the input
-    and the scales as they do; the output keeps the model's dtype."""
+def test_linear_runs_the_kernel_for_small_steps_and_dense_for_large(bits: int, dtype: torch.dtype) -> None:
+    """Up to max_tokens rows: the kernel (int8 activations); above: the dequantized weight, exactly."""
     torch.manual_seed(0)
-    w, bias, x = torch.randn(80, 128), torch.randn(80), torch.randn(5, 128)
-    lin = QuantLinear(w.to(dtype), bias.to(dtype), kind)  # type: ignore[arg-type]
-    if kind == "int8":
-        q, scales = quantize_int8(w.to(dtype))
-        deq = q.float() * scales.to(KERNEL_DTYPE).float()[:, None]
-    else:
-        codes, sz = quantize_int4(w.to(dtype))
-        deq = dequantize_int4(codes, sz.to(KERNEL_DTYPE).float())
-    want = F.linear(x.to(dtype).to(KERNEL_DTYPE).float(), deq, bias.to(dtype).float())
-    got = lin(x.to(dtype))
+    w, bias = torch.randn(80, 128).to(dtype), torch.randn(80).to(dtype)
+    lin = QuantLinear(w, bias, bits, max_tokens=4)  # type: ignore[arg-type]
+    deq = quant_matmul.unpack(lin.packed)
+    small, large = torch.randn(3, 128).to(dtype), torch.randn(9, 128).to(dtype)
+    got = lin(small)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(got.float(), quant_matmul.matmul(small, lin.packed, lin.bias32).float())
+    want = F.linear(large, deq.to(dtype), bias)
+    torch.testing.assert_close(lin(large), want, atol=0, rtol=0)
 
 
-def test_int4_falls_back_to_int8_when_groups_or_rows_do_not_divide() -> None:
-    assert QuantLinear(torch.randn(16, INT4_GROUP + 8), None, "int4").kind == "int8"
-    assert QuantLinear(torch.randn(8, INT4_GROUP), None, "int4").kind == "int8"
-    assert QuantLinear(torch.randn(16, INT4_GROUP), None, "int4").kind == "int4"
+def test_a_linear_that_does_not_divide_into_groups_stays_dense() -> None:
+    model: Any = load_model("builtin", CPU, FP32, weights="dense").model
+    model.layers[0].attn.o = torch.nn.Linear(40, model.config.hidden_size)
+    quantize_weights(model, "int4")
+    assert isinstance(model.layers[0].attn.o, torch.nn.Linear)
+    assert isinstance(model.layers[0].mlp.down, QuantLinear)
+
+
+def _runner(mode: str, dtype: torch.dtype = FP32) -> ModelRunner:
+    return ModelRunner(load_model("builtin", CPU, dtype, weights=mode), 8, 16, CPU, dtype)  # type: ignore[arg-type]
 
 
 def _step(mode: str, dtype: torch.dtype = FP32) -> tuple[torch.Tensor, torch.Tensor]:
     """The builtin model's logits for a 40-token prefill, then a one-token decode step of that sequence."""
-    runner = ModelRunner(load_model("builtin", CPU, dtype, weights=mode), 8, 16, CPU, dtype)  # type: ignore[arg-type]
+    runner = _runner(mode, dtype)
     ids = torch.arange(3, 43)
     prefill = runner.forward(PackedBatch(ids, torch.arange(40), [SeqSlice(0, [0, 1, 2], 0, 40)]), all_logits=True)
     decode = runner.forward(PackedBatch(torch.tensor([7]), torch.tensor([40]), [SeqSlice(0, [0, 1, 2], 40, 1)]))
@@ -88,17 +72,22 @@ def test_quantized_logits_stay_near_dense(mode: str, tol: float, dense: tuple[to
         assert 0 < err < tol, f"{mode}: mean error {float(err):.4f} of the logits' std"
 
 
-def _one_token(mode: str) -> torch.Tensor:
+def _one_token(mode: str, dtype: torch.dtype = FP32) -> torch.Tensor:
     """Logits of a one-token prompt (a step of one token from an empty cache)."""
-    runner = ModelRunner(load_model("builtin", CPU, FP32, weights=mode), 8, 16, CPU, FP32)  # type: ignore[arg-type]
-    return runner.forward(PackedBatch(torch.tensor([5]), torch.tensor([0]), [SeqSlice(0, [0], 0, 1)]))
+    batch = PackedBatch(torch.tensor([5]), torch.tensor([0]), [SeqSlice(0, [0], 0, 1)])
+    return _runner(mode, dtype).forward(batch)
 
 
-def test_auto_runs_int4_for_small_steps_and_dense_for_large(dense: tuple[torch.Tensor, torch.Tensor]) -> None:
-    torch.testing.assert_close(_step("auto")[0], dense[0], atol=0, rtol=0)  # 40 tokens: dense
-    one = _one_token("auto")
-    torch.testing.assert_close(one, _one_token("int4"), atol=0, rtol=0)  # 1 token: int4
-    assert not torch.equal(one, _one_token("dense"))
+def test_auto_runs_int4_for_small_steps_and_dense_for_large() -> None:
+    """In bfloat16 up to AUTO_MAX_TOKENS; in float32, whose dense matmuls are slower, up to QUANT_MAX_TOKENS."""
+    models: list[Any] = [_runner("auto", dtype).model for dtype in (FP32, BF16)]
+    qkv = [m.layers[0].attn.qkv for m in models]
+    assert isinstance(qkv[0], QuantLinear) and isinstance(qkv[1], QuantLinear)
+    assert qkv[0].max_tokens == QUANT_MAX_TOKENS and qkv[1].max_tokens == AUTO_MAX_TOKENS < 40
+    torch.testing.assert_close(_step("auto", BF16)[0], _step("dense", BF16)[0], atol=0, rtol=0)  # 40: dense
+    one = _one_token("auto", BF16)
+    torch.testing.assert_close(one, _one_token("int4", BF16), atol=0, rtol=0)  # 1 token: int4
+    assert not torch.equal(one, _one_token("dense", BF16))
 
 
 def test_bfloat16_quantized_runs(dense: tuple[torch.Tensor, torch.Tensor]) -> None:
