@@ -251,14 +251,16 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin rows of `positions`, [T, head_dim] each."""
+        """cos and sign-folded sin rows of `positions`, [T, head_dim] each, in `dtype` (the tables are kept in
+        the last dtype asked for; the CPU decode path asks float32 and the model's dtype in turn, so float32
+        tables serve both, rounded per row)."""
         need = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self._rope
-        if cos.shape[0] < need or cos.dtype != dtype or cos.device != positions.device:
+        if cos.shape[0] < need or cos.device != positions.device or cos.dtype not in (dtype, torch.float32):
             # Powers of two up to max_position_embeddings: a few rebuilds per process, a small table.
             length = min(max(256, 1 << (need - 1).bit_length()), max(need, self.config.max_position_embeddings))
             cos, sin = self._rope = rope_tables(self.inv_freq.to(positions.device), length, dtype)
-        return cos.index_select(0, positions), sin.index_select(0, positions)
+        return cos.index_select(0, positions).to(dtype), sin.index_select(0, positions).to(dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:

@@ -13,6 +13,7 @@ from worker.attention import build_metadata
 from worker.batch import PackedBatch
 from worker.config import WorkerSettings
 from worker.device import resolve_device, resolve_dtype
+from worker.kernels.decode_step import DecodeStep
 from worker.kv_cache import KVCache, KVDtype, blocks_for_budget, budget_bytes
 from worker.loaded import LoadedModel
 from worker.loading import load_model
@@ -37,6 +38,8 @@ class ModelRunner:
         self.device, self.dtype = device, dtype
         self.max_context = loaded.config.max_position_embeddings
         self.cache = KVCache(loaded.config, num_blocks, block_size, device, dtype, kv_dtype, kernels)
+        # Decode steps of quantized weights: every layer in one C++ call (None where it cannot run).
+        self.decode_step = DecodeStep.build(self.model, self.cache) if kernels else None
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> ModelRunner:
@@ -61,7 +64,10 @@ class ModelRunner:
         model = self.model
         tokens = batch.token_ids.to(self.device, non_blocking=True)
         positions = batch.positions.to(self.device, non_blocking=True)
-        hidden = model(tokens, positions, self.cache.layers, meta)
+        if self.decode_step is not None and self.decode_step.takes(batch.num_tokens, meta):
+            hidden = self.decode_step(tokens, positions, meta)
+        else:
+            hidden = model(tokens, positions, self.cache.layers, meta)
         if not all_logits:
             last, ends = 0, []
             for s in batch.seqs:

@@ -69,9 +69,11 @@ ARCH_CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
 }
 
 
-def save_checkpoint(arch: str, path: Path, seed: int = 0, shard: bool = False) -> torch.nn.Module:
-    """Write a random-init checkpoint (plus our byte tokenizer) to `path`; return the HF model, fp32 on CPU."""
+def save_checkpoint(arch: str, path: Path, seed: int = 0, shard: bool = False, **overrides: Any) -> torch.nn.Module:
+    """Write a random-init checkpoint (plus our byte tokenizer) to `path`; return the HF model, fp32 on CPU.
+    `overrides` replace entries of the architecture's test config."""
     config_cls, kwargs = ARCH_CONFIGS[arch]
+    kwargs = {**kwargs, **overrides}
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config_cls(**kwargs), attn_implementation="sdpa")
     with torch.no_grad():  # make norms and biases non-trivial: init leaves them at 1 and 0
