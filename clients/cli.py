@@ -138,7 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     script = Path(__file__).resolve().parent.parent / "bench" / f"{args.name}.py"
     if not script.is_file():  # an installed package without the repository's bench/ folder
         raise CommandError(f"benchmarks run from a checkout of the repository ({script} is missing)")
-    raise SystemExit(subprocess.call([sys.executable, str(script), *args.bench_args]))
+    # The repository root on the path: the benches import each other as `bench.*`.
+    root = str(script.parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    raise SystemExit(subprocess.call([sys.executable, str(script), *args.bench_args], env=env))
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,16 @@ def test_each_command_has_help(command: str) -> None:
     assert result.stdout.startswith("usage: coalesce " + command)
 
 
+@pytest.mark.parametrize("name", ["worker_step", "perplexity", "kv_cache"])
+def test_bench_runs_benches_that_import_each_other(name: str, tmp_path: Path) -> None:
+    """From any directory: the benches import `bench.*`, which needs the repository root on the path."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "clients" / "cli.py"), "bench", name, "--help"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage:")
+
+
 def test_bad_input_is_one_line_not_a_traceback() -> None:
     result = _coalesce("control-plane")
     assert result.returncode == 2
