@@ -2,10 +2,10 @@
 
 Why: at batch 1 a decode step of SmolLM2 moves ~95 MB of int4/int8 weights (~2 ms at this machine's memory
 bandwidth), but through torch it runs ~25 ops a layer, 750 a step, each costing microseconds of dispatch: the
-ops, not the weights, set the pace (docs/architecture.md, "CPU decode of quantized weights"). Here each layer is the RMSNorm fused
-into the q/k/v matmul, RoPE and the cache write, decode attention (paged_attention.cpp), the output matmul
-adding into the residual, the RMSNorm fused into gate/up, and the SiLU gating fused into down adding into
-the residual; the residual stream stays float32 throughout.
+ops, not the weights, set the pace (docs/architecture.md, "CPU decode of quantized weights"). Here each layer
+is the RMSNorm fused into the q/k/v matmul, RoPE and the cache write, decode attention (paged_attention.cpp),
+the output matmul adding into the residual, the RMSNorm fused into gate/up, and the SiLU gating fused into down
+adding into the residual; the residual stream stays float32 throughout.
 
 When: a step whose every sequence decodes one token, no more tokens than the quantized linears' `max_tokens`
 (above it `auto` weights run dense), a KV cache in the model's dtype (bfloat16 or float32) read by the CPU
