@@ -13,11 +13,11 @@ from worker.attention import build_metadata
 from worker.batch import PackedBatch
 from worker.config import WorkerSettings
 from worker.device import resolve_device, resolve_dtype
-from worker.kernels.decode_step import DecodeStep
 from worker.kv_cache import KVCache, KVDtype, blocks_for_budget, budget_bytes
 from worker.loaded import LoadedModel
 from worker.loading import load_model
 from worker.model import Transformer
+from worker.quant_decode import DecodeStep
 
 
 class ModelRunner:

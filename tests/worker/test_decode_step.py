@@ -1,4 +1,4 @@
-"""The one-call decode step (worker/kernels/decode_step.py) against the model's own forward over the same
+"""The one-call decode step (worker/quant_decode.py) against the model's own forward over the same
 quantized weights, on each architecture, and the steps it leaves to that forward.
 
 The two paths differ only in rounding: the decode step keeps the residual stream in float32 and fuses the
@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from tests.worker.hf_models import Driver, Seq, save_checkpoint
+from worker import quant_decode
 from worker.batch import PackedBatch, SeqSlice
 from worker.kernels import decode_step
 from worker.loading import load_model
 from worker.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(decode_step._lib is None, reason="no C++ compiler: the kernels are not built")
+pytestmark = pytest.mark.skipif(not decode_step.available(), reason="no C++ compiler: the kernels are not built")
 CPU, FP32, BF16 = torch.device("cpu"), torch.float32, torch.bfloat16
 
 # The test configs with every linear's input a multiple of 32 (quant_matmul.GROUP), so every linear quantizes.
@@ -44,7 +45,7 @@ def runner(spec: str | Path, weights: str, dtype: torch.dtype = FP32, **kw: Any)
 class Counting:
     """Wraps a runner's decode step, counting the steps it ran."""
 
-    def __init__(self, inner: decode_step.DecodeStep) -> None:
+    def __init__(self, inner: quant_decode.DecodeStep) -> None:
         self.inner, self.calls = inner, 0
 
     def takes(self, n: int, meta: Any) -> bool:
