@@ -56,13 +56,7 @@ def test_kernel_is_exact_given_its_int8_activations(bits: int, k: int, m: int) -
     w, x, bias = weights(40, k), torch.randn(m, k), torch.randn(40)
     x[0, :GROUP] = 0  # an all-zero group
     p = pack(w, bits)  # type: ignore[arg-type]
-    if bits == 8:
-        want = F.linear(int8_activations(x).double(), unpack(p).double(), bias.double()).float()
-    else:  # w = code * d + m: the codes meet the int8 activations, the minimums the exact group sums
-        assert p.m is not None
-        mins = p.m.double().repeat_interleave(GROUP, dim=1)
-        want = F.linear(int8_activations(x).double(), unpack(p).double() - mins, bias.double())
-        want = (want + F.linear(x.double(), mins)).float()
+    want = F.linear(int8_activations(x).double(), unpack(p).double(), bias.double()).float()
     got = quant_matmul.matmul(x, p, bias)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -1,8 +1,8 @@
 // Weight-only quantized matmuls for a few rows of activations, on the CPU. Built and called by
 // worker/kernels/quant_matmul.py, which says why they exist and what the weight formats are.
 //
-// The activations are quantized to int8 per group of 32 (a float scale each, and the group's float sum for the
-// int4 formats' offsets), as llama.cpp does, so that 32 products of a group are one integer instruction:
+// The activations are quantized to int8 per group of 32 (a float scale each, and the group's sum for the int4
+// format's minimums), as llama.cpp does, so that 32 products of a group are one integer instruction:
 // AVX512-VNNI's vpdpbusd (u8 x s8, summed in fours into int32), or AVX2's maddubs + madd. Each weight group is
 // unpacked once and used for every activation row. Parallel over output channels with OpenMP (torch's pool:
 // see paged_attention.cpp). Plain C ABI over raw pointers, as paged_attention.cpp.
@@ -53,7 +53,7 @@ struct Acts {
   int64_t groups, row;       // groups per activation row; bytes per quantized row
   std::vector<int8_t> q;     // [m, row]
   std::vector<float> scale;  // [m, groups rounded up to even]: x ~ q * scale
-  std::vector<float> sum;    // [m, groups rounded up to even]: the group's sum of x (int4's offsets)
+  std::vector<float> sum;    // [m, groups rounded up to even]: the group's sum of q * scale (int4's minimums)
 };
 
 inline float silu(float g) {
@@ -98,16 +98,21 @@ void quantize_row(const Args& a, const void* x, const float* norm, int64_t i, Ac
   float* sum = acts.sum.data() + i * padded;
   for (int64_t g = 0; g < acts.groups; ++g) {
     const float* v = y.data() + g * kGroup;
-    float amax = 0, s = 0;
-    for (int64_t c = 0; c < kGroup; ++c) amax = std::max(amax, std::abs(v[c])), s += v[c];
+    float amax = 0;
+    for (int64_t c = 0; c < kGroup; ++c) amax = std::max(amax, std::abs(v[c]));
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    scale[g] = amax / 127.0f;
-    sum[g] = s;
+    int32_t codes = 0;
     for (int64_t c = 0; c < kGroup; ++c) {
+      const int32_t code = static_cast<int32_t>(std::nearbyint(v[c] * inv));
+      codes += code;
       // where element c of group g lands (see Acts)
       const int64_t at = a.bits == 8 ? g * kGroup + c : (g / 2) * 64 + (c / 16) * 32 + (g % 2) * 16 + c % 16;
-      q[at] = static_cast<int8_t>(std::nearbyint(v[c] * inv));
+      q[at] = static_cast<int8_t>(code);
     }
+    scale[g] = amax / 127.0f;
+    // The sum of the quantized values, not of x: then an int4 row's result is exactly W . (q * scale), as
+    // int8's is. (Summing x instead adds min * (what rounding lost), noise 3x larger than that loss's own.)
+    sum[g] = scale[g] * codes;
   }
 }
 
