@@ -251,9 +251,8 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin rows of `positions`, [T, head_dim] each, in `dtype` (the tables are kept in
-        the last dtype asked for; the CPU decode path asks float32 and the model's dtype in turn, so float32
-        tables serve both, rounded per row)."""
+        """cos and sign-folded sin rows of `positions`, [T, head_dim] each, in `dtype`. Tables built in float32
+        (the CPU decode path asks for it) serve every dtype: rows rounded to `dtype` equal tables built in it."""
         need = int(positions.max()) + 1 if positions.numel() else 1
         cos, sin = self._rope
         if cos.shape[0] < need or cos.device != positions.device or cos.dtype not in (dtype, torch.float32):

@@ -11,7 +11,8 @@ adding into the residual; the residual stream stays float32 throughout.
 When: a step whose every sequence decodes one token, no more tokens than the quantized linears' `max_tokens`
 (above it `auto` weights run dense), a KV cache in the model's dtype (bfloat16 or float32) read by the CPU
 kernels, and every linear of the model quantized (worker/quant_linear.py). Anything else runs the model's own
-forward, which computes the same thing op by op (tests compare the two).
+forward, which computes the same thing op by op, up to rounding: here the residual stays float32 and the norms
+are fused, so an int8 activation can land one step apart (tests compare the two).
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import torch
 from worker.attention import AttentionMetadata
 from worker.kernels import decode_step as kernel
 from worker.kernels.quant_matmul import Packed
+from worker.kv_cache import PlainStore
+
+
+def _linears(layer: Any) -> tuple[Any, ...]:
+    """A decoder layer's linears, in the order decode_step.cpp's Layer holds them."""
+    return layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down
 
 
 def _weight(linear: Any) -> tuple[kernel.Weight, list[torch.Tensor]]:
@@ -45,12 +52,12 @@ class DecodeStep:
         self._keep: list[torch.Tensor] = []
         weights = []
         for layer in model.layers:
-            lins = (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)
             ws = []
-            for lin in lins:
+            for lin in _linears(layer):
                 w, keep = _weight(lin)
                 ws.append(w)
                 self._keep += keep
+            # float32 copies, taken once: weights are loaded once per process
             norms = [n.weight.detach().float().contiguous() for n in (layer.attn_norm, layer.mlp_norm)]
             self._keep += norms
             weights.append((ws, norms))
@@ -67,11 +74,10 @@ class DecodeStep:
         """The fast path for this model and cache, or None where it cannot run (see the module docstring)."""
         if not kernel.available() or cache.dtype not in (torch.bfloat16, torch.float32) or cache.kv_dtype == "int8":
             return None
-        for layer in model.layers:
-            for lin in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down):
-                if getattr(lin, "packed", None) is None:
-                    return None
-        bits = {lin.packed.bits for layer in model.layers for lin in (layer.attn.qkv, layer.mlp.down)}
+        linears = [lin for layer in model.layers for lin in _linears(layer)]
+        if any(getattr(lin, "packed", None) is None for lin in linears):
+            return None  # a linear left dense
+        bits = {lin.packed.bits for lin in linears}
         return DecodeStep(model, cache) if len(bits) == 1 else None
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -81,7 +87,7 @@ class DecodeStep:
             and meta.decode is not None
             and meta.tail_rows is None
             and num_tokens <= self.max_tokens
-            and d.rotation is None
+            and type(d) is PlainStore  # the stores' own write() is not called here
             and d.kernel
         )
 
@@ -105,6 +111,11 @@ class DecodeStep:
         cos, sin = model.rope(positions, torch.float32)
         d = meta.decode
         m = x.shape[0]
+        # The kernel writes and reads the cache at these rows unchecked: out of range is an error here, as
+        # index_copy_ makes it on the forward's path.
+        store = self.cache.layers[0][0].data
+        if int(meta.slots.max()) >= store.shape[0] * store.shape[1] or int(d.blocks.max()) >= store.shape[0]:
+            raise IndexError(f"a slot or block beyond the KV cache's {store.shape[0]} blocks")
         step = kernel.Step(
             m, d.blocks.numel() // m, d.window or 0,
             cos.data_ptr(), sin.data_ptr(), meta.slots.data_ptr(), d.blocks.data_ptr(), d.lengths.data_ptr(),

@@ -53,7 +53,7 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         bits: Literal[4, 8],
         keep_dense: bool = False,
-        max_tokens: int = AUTO_MAX_TOKENS,
+        max_tokens: int = QUANT_MAX_TOKENS,
     ) -> None:
         super().__init__()
         self.packed = quant_matmul.pack(weight, bits)

@@ -65,8 +65,10 @@ def compared(a: Seq, b: Seq) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def greedy(r: ModelRunner, fast: bool) -> list[Seq]:
-    """Three sequences of different lengths, chunked prefills mixed with decodes, 24 new tokens each."""
-    seqs = [Seq(i, [(7 * i + 3 * j) % 200 + 3 for j in range(n)], n) for i, n in enumerate([5, 37, 70])]
+    """Six sequences of different lengths (more than the kernel's tile of 4 rows), chunked prefills mixed with
+    decodes, 24 new tokens each."""
+    lengths = [5, 37, 70, 12, 3, 20]
+    seqs = [Seq(i, [(7 * i + 3 * j) % 200 + 3 for j in range(n)], n) for i, n in enumerate(lengths)]
     saved = r.decode_step
     r.decode_step = saved if fast else None
     try:
@@ -83,7 +85,7 @@ def test_decode_step_matches_the_forward(checkpoint: Path, weights: str) -> None
     count = Counting(r.decode_step)
     r.decode_step = count  # type: ignore[assignment]
     fast = greedy(r, fast=True)
-    assert count.calls >= 20  # the steps where all three decode
+    assert count.calls >= 20  # the steps where all six decode
     slow = greedy(r, fast=False)
     for a, b in zip(fast, slow, strict=True):
         ours, ref = compared(a, b)
@@ -124,6 +126,14 @@ def test_what_the_decode_step_leaves_to_the_forward() -> None:
     many = [SeqSlice(i, [i], 0, 1) for i in range(r2.decode_step.max_tokens + 1)]
     assert not step_of(r2, many)[0]  # above auto's int4 steps: dense
     assert step_of(r2, many[:-1])[0]
+
+
+def test_a_block_beyond_the_cache_is_an_error_not_a_write() -> None:
+    r = runner("builtin", "int4")
+    r.forward(PackedBatch(torch.arange(3, 23), torch.arange(20), [SeqSlice(0, [0, 2], 0, 20)]))
+    with pytest.raises(IndexError, match="beyond the KV cache's 64 blocks"):
+        step_of(r, [SeqSlice(0, [0, 64], 20, 1)])
+    assert step_of(r, [SeqSlice(0, [0, 2], 20, 1)])[0]  # and the runner goes on
 
 
 def test_no_decode_step_where_it_cannot_run() -> None:

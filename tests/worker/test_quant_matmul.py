@@ -1,10 +1,11 @@
 """The quantized matmul kernel (worker/kernels/quant_matmul.cpp): the formats' error bounds, the integer
-arithmetic against torch on the same int8 activations, its fused prologues and residual add, and the portable
-build (no AVX2) against the vectorized one."""
+arithmetic against torch on the same int8 activations, its fused prologues and residual add, bad input, and the
+portable and AVX2 builds against this machine's."""
 
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 from pathlib import Path
 
@@ -98,26 +99,41 @@ def test_bfloat16_in_and_out() -> None:
 
 
 def test_bad_input_is_a_clear_error() -> None:
-    p = pack(weights(40, 128), 8)
-    with pytest.raises(ValueError, match=r"x must be float32 or bfloat16 \[M, 128\]"):
+    """The kernel reads and writes raw memory: a wrong shape, dtype or layout is refused before it runs."""
+    p, x = pack(weights(40, 128), 8), torch.randn(2, 128)
+    with pytest.raises(ValueError, match=r"x must be a CPU float32 or bfloat16 \[M, 128\]"):
         quant_matmul.matmul(torch.randn(2, 96), p)
     with pytest.raises(ValueError, match=r"\[M, 256\]"):
-        quant_matmul.matmul(torch.randn(2, 128), p, prologue="silu_gate")
+        quant_matmul.matmul(x, p, prologue="silu_gate")
+    with pytest.raises(ValueError, match=r"rms_norm needs norm: a contiguous CPU float32 \[128\]"):
+        quant_matmul.matmul(x, p, prologue="rms_norm")
+    with pytest.raises(ValueError, match=r"rms_norm needs norm"):
+        quant_matmul.matmul(x, p, prologue="rms_norm", norm=torch.ones(256)[::2])  # strided
+    with pytest.raises(ValueError, match=r"bias must be a contiguous CPU float32 \[40\]"):
+        quant_matmul.matmul(x, p, torch.ones(39))
+    with pytest.raises(ValueError, match=r"out must be a contiguous CPU torch.float32 \[2, 40\]"):
+        quant_matmul.matmul(x, p, out=torch.zeros(2, 40, dtype=torch.bfloat16))
     assert not quant_matmul.supports(torch.randn(8, 40))
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
-def test_portable_build_equals_the_vectorized_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same file built for a plain x86-64 (no AVX2: the scalar loops) gives the same results."""
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_other_builds_equal_this_machines(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same file built for a plain x86-64 (the scalar loops) and for Haswell (AVX2's maddubs, no VNNI) gives
+    what this machine's build gives."""
+    if arch == "haswell" and "avx2" not in build._cpu_flags().split():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 builds")
     source = Path(quant_matmul.__file__).with_name("quant_matmul.cpp")
-    flags = [f for f in build.FLAGS if not f.startswith("-march")] + ["-march=x86-64"]
-    target = tmp_path / "portable.so"
+    flags = [f for f in build.FLAGS if not f.startswith("-march")] + [f"-march={arch}"]
+    target = tmp_path / f"{arch}.so"
     build._compile("g++", source, target, flags)
     x, bias = torch.randn(5, 96), torch.randn(40)
     for bits in (4, 8):
         p = pack(weights(40, 96), bits)
         vectorized = quant_matmul.matmul(x, p, bias)
         monkeypatch.setattr(quant_matmul, "_lib", ctypes.CDLL(str(target)))
-        portable = quant_matmul.matmul(x, p, bias)
+        other = quant_matmul.matmul(x, p, bias)
         monkeypatch.undo()
-        torch.testing.assert_close(portable, vectorized, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other, vectorized, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,5 @@
 // Every decoder layer of a decode step in one call, for quantized weights on the CPU. Called by
-// worker/kernels/decode_step.py, which says when it is used and why.
+// worker/quant_decode.py (through decode_step.py), which says when it is used and why.
 //
 // One translation unit with the two kernels it strings together (their files are included, not linked: each
 // also builds alone as its own library).

@@ -4,7 +4,7 @@
 // The activations are quantized to int8 per group of 32 (a float scale each, and the group's sum for the int4
 // format's minimums), as llama.cpp does, so that 32 products of a group are one integer instruction:
 // AVX512-VNNI's vpdpbusd (u8 x s8, summed in fours into int32), or AVX2's maddubs + madd. Each weight group is
-// unpacked once and used for every activation row. Parallel over output channels with OpenMP (torch's pool:
+// unpacked once per tile of up to kRows activation rows. Parallel over output channels with OpenMP (torch's pool:
 // see paged_attention.cpp). Plain C ABI over raw pointers, as paged_attention.cpp.
 
 #include <algorithm>
@@ -145,7 +145,8 @@ void row_q4(const uint8_t* w, const uint16_t* d, const uint16_t* mins, const Act
   for (int64_t g = 0; g < groups; g += 2) {
     const bool pair = g + 1 < groups;
     const __m256i v = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16))
-                           : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16)));
+                           : _mm256_inserti128_si256(_mm256_setzero_si256(),
+                                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16)), 0);
     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     // [d_g x4, d_g+1 x4]
     const uint32_t dd = pair ? static_cast<uint32_t>(d[g]) | static_cast<uint32_t>(d[g + 1]) << 16 : d[g];

@@ -91,6 +91,10 @@ def unpack(p: Packed) -> torch.Tensor:
     return (q * d + p.m.float()[..., None]).reshape(n, k)
 
 
+def _plain(t: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    return t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous() and not t.is_cuda
+
+
 def matmul(
     x: torch.Tensor,
     p: Packed,
@@ -109,20 +113,21 @@ def matmul(
     if _lib is None:
         raise RuntimeError("the quant_matmul kernel is not built here (no C++ compiler?); check available()")
     n, k = p.shape
+    width = 2 * k if prologue == "silu_gate" else k
+    if x.dim() != 2 or x.shape[1] != width or x.dtype not in (torch.float32, torch.bfloat16) or x.is_cuda:
+        raise ValueError(f"x must be a CPU float32 or bfloat16 [M, {width}], got {x.dtype} {list(x.shape)} {x.device}")
     x = x.contiguous()
     rows = x.shape[0]
-    width = 2 * k if prologue == "silu_gate" else k
-    if x.dim() != 2 or x.shape[1] != width or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"x must be float32 or bfloat16 [M, {width}], got {x.dtype} {list(x.shape)}")
-    if prologue == "rms_norm":
-        assert norm is not None and norm.dtype == torch.float32 and norm.numel() == k
-    if bias is not None:
-        assert bias.dtype == torch.float32 and bias.numel() == n
+    # The kernel reads and writes raw memory: every shape is checked here, never assumed.
+    if prologue == "rms_norm" and not _plain(norm, torch.float32, (k,)):
+        raise ValueError(f"rms_norm needs norm: a contiguous CPU float32 [{k}]")
+    if bias is not None and not _plain(bias, torch.float32, (n,)):
+        raise ValueError(f"bias must be a contiguous CPU float32 [{n}]")
     accumulate = out is not None
     if out is None:
         out = torch.empty(rows, n, dtype=x.dtype)
-    else:
-        assert out.shape == (rows, n) and out.dtype == x.dtype and out.is_contiguous()
+    elif not _plain(out, x.dtype, (rows, n)):
+        raise ValueError(f"out must be a contiguous CPU {x.dtype} [{rows}, {n}]")
     bf16 = int(x.dtype == torch.bfloat16)
     args = _Args(rows, n, k, p.bits, bf16, bf16, _PROLOGUE[prologue], int(accumulate), eps)
     _lib.quant_matmul(
