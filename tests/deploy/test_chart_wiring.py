@@ -36,6 +36,13 @@ def test_config_yaml_is_valid_settings(values: dict[str, Any]) -> None:
     assert settings.metrics_port > 0
 
 
+def test_worker_weights_and_kv_cache_dtype_reach_the_workers() -> None:
+    assert settings_from(config_yaml(render({}))).worker.weights == "dense"
+    config = config_yaml(render({"worker": {"weights": "auto", "kvCacheDtype": "int8"}}))
+    worker = settings_from(config).worker
+    assert (worker.weights, worker.kv_cache_dtype) == ("auto", "int8")
+
+
 @pytest.mark.parametrize("values", [{}, EVERYTHING_ON], ids=["default", "everything-on"])
 def test_containers_run_real_cli_commands(values: dict[str, Any]) -> None:
     commands = coalesce_commands(render(values))
