@@ -138,17 +138,64 @@ def test_a_block_beyond_the_cache_is_an_error_not_a_write() -> None:
 
 def test_no_decode_step_where_it_cannot_run() -> None:
     assert runner("builtin", "dense").decode_step is None
-    assert runner("builtin", "int4", kv_dtype="int8").decode_step is None
     assert runner("builtin", "int4", kernels=False).decode_step is None
 
 
-def test_an_auto_cache_leaves_the_decode_step_once_int8() -> None:
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_decode_step_over_an_int8_cache_matches_the_forward(checkpoint: Path, weights: str) -> None:
+    r = runner(checkpoint, weights, kv_dtype="int8")
+    assert r.decode_step is not None
+    count = Counting(r.decode_step)
+    r.decode_step = count  # type: ignore[assignment]
+    fast = greedy(r, fast=True)
+    assert count.calls >= 20
+    for a, b in zip(fast, greedy(r, fast=False), strict=True):
+        ours, ref = compared(a, b)
+        assert (ours - ref).abs().mean() / ref.std() < 0.02
+
+
+def decode_with_tails(r: ModelRunner, fast: bool) -> torch.Tensor:
+    """Two sequences with full-precision tails (worker/kv_cache.py) prefilled, then 20 decode steps."""
+    saved = r.decode_step
+    r.decode_step = saved if fast else None
+    tables, tails = [[0, 1, 2], [3, 4, 5]], [[40, 41], [42, 43]]
+    try:
+        starts = [21, 9]
+        seqs = [SeqSlice(i, tables[i], 0, n, tails[i]) for i, n in enumerate(starts)]
+        ids = torch.cat([torch.arange(3, 3 + n) for n in starts])
+        r.forward(PackedBatch(ids, torch.cat([torch.arange(n) for n in starts]), seqs))
+        out = []
+        for step in range(20):
+            seqs = [SeqSlice(i, tables[i], n + step, 1, tails[i]) for i, n in enumerate(starts)]
+            positions = torch.tensor([n + step for n in starts])
+            out.append(r.forward(PackedBatch(torch.tensor([7 + step, 9 + step]), positions, seqs)))
+        return torch.stack(out)
+    finally:
+        r.decode_step = saved
+
+
+def test_decode_step_reads_and_writes_full_precision_tails() -> None:
+    r = runner("builtin", "int4", kv_dtype="int8")
+    assert r.cache.tail_blocks == 2
+    count = Counting(r.decode_step)  # type: ignore[arg-type]
+    r.decode_step = count  # type: ignore[assignment]
+    fast = decode_with_tails(r, fast=True)
+    assert count.calls == 20
+    slow = decode_with_tails(r, fast=False)
+    assert (fast - slow).abs().mean() / slow.std() < 0.02
+
+
+def test_an_auto_cache_keeps_the_decode_step_once_int8() -> None:
     r = runner("builtin", "int4", kv_dtype="auto")
     assert r.decode_step is not None
     r.forward(PackedBatch(torch.arange(3, 23), torch.arange(20), [SeqSlice(0, [0, 2], 0, 20)]))
-    took, before = step_of(r, [SeqSlice(0, [0, 2], 20, 1)])
-    assert took
+    assert step_of(r, [SeqSlice(0, [0, 2], 20, 1)])[0]
     r.kv_to_int8()
     took, after = step_of(r, [SeqSlice(0, [0, 2], 20, 1)])
-    assert not took  # the int8 stores are the forward's (worker/attention.py)
-    assert torch.isfinite(after).all() and after.shape == before.shape
+    assert took  # the decode step now reads and writes the int8 stores
+    saved, r.decode_step = r.decode_step, None
+    try:
+        forward = r.forward(PackedBatch(torch.tensor([5]), torch.tensor([20]), [SeqSlice(0, [0, 2], 20, 1)]))
+    finally:
+        r.decode_step = saved
+    assert (after - forward).abs().mean() / forward.std() < 0.02

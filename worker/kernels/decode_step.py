@@ -18,6 +18,15 @@ class Layer(ctypes.Structure):
     _fields_ = [
         *((name, Weight) for name in ("qkv", "o", "gate_up", "down")),
         *((name, ctypes.c_void_p) for name in ("attn_norm", "mlp_norm", "k_cache", "v_cache")),
+        *((name, ctypes.c_void_p) for name in ("k_codes", "v_codes", "k_tail", "v_tail")),
+    ]
+
+
+class Int8Cache(ctypes.Structure):
+    _fields_ = [
+        ("groups", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in ("rotation", "scales")),
+        *((name, ctypes.c_float) for name in ("offset", "steps", "qmax")),
     ]
 
 
@@ -27,9 +36,10 @@ class Model(ctypes.Structure):
             (name, ctypes.c_int64)
             for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "block_size", "bits")
         ),
-        ("cache_bf16", ctypes.c_int64),
+        *((name, ctypes.c_int64) for name in ("cache_bf16", "cache_int8")),
         ("eps", ctypes.c_float),
         ("layer", ctypes.POINTER(Layer)),
+        ("int8", Int8Cache),
     ]
 
 
@@ -37,6 +47,7 @@ class Step(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int64) for name in ("m", "max_blocks", "window")),
         *((name, ctypes.c_void_p) for name in ("cos", "sin", "slots", "tables", "lengths")),
+        *((name, ctypes.c_void_p) for name in ("tail_rows", "tail_lo", "tail_index")),
     ]
 
 

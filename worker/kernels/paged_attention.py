@@ -23,7 +23,7 @@ from worker.kv_quant import MAX_CODE, MIN_LOG2, QMAX, STEPS, decode_scale
 
 _lib = load("paged_attention")
 _DECODE = {torch.int8: "decode_int8", torch.bfloat16: "decode_bf16", torch.float32: "decode_f32"}
-_SCALES = decode_scale(torch.arange(MAX_CODE + 1))  # code -> float32 scale, exactly as kv_quant decodes it
+SCALES = decode_scale(torch.arange(MAX_CODE + 1))  # code -> float32 scale, exactly as kv_quant decodes it
 
 
 class _Shape(ctypes.Structure):
@@ -108,7 +108,7 @@ def decode(
         ctypes.c_void_p(_ptr(k_scales)),
         ctypes.c_void_p(v_data.data_ptr()),
         ctypes.c_void_p(_ptr(v_scales)),
-        ctypes.c_void_p(_SCALES.data_ptr()),
+        ctypes.c_void_p(SCALES.data_ptr()),
         ctypes.c_void_p(tables.data_ptr()),
         ctypes.c_void_p(lengths.data_ptr()),
         ctypes.byref(shape),
@@ -140,7 +140,7 @@ def quantize_write(
         ctypes.c_int64(kv_heads),
         ctypes.c_int64(dim),
         ctypes.c_int64(codes.shape[-1]),
-        ctypes.c_void_p(_SCALES.data_ptr()),
+        ctypes.c_void_p(SCALES.data_ptr()),
         ctypes.c_float(math.log2(QMAX) + MIN_LOG2),
         ctypes.c_float(STEPS),
         ctypes.c_float(QMAX),
