@@ -1,15 +1,18 @@
 """Full-precision tails (docs/kv_cache.md) through a real control plane and a real int8 worker: every sequence
 the worker sees first gets kv_tail_blocks blocks of its own, under load that preempts (so tails are freed and
-given again on recompute), with prefix hits; every request completes, and no block is left held."""
+given again on recompute), with prefix hits; every request completes, and no block is left held. With dense
+weights and with int4 ones, whose decode steps read and write the tails in one C++ call."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from test_step_failure import control_plane
 
 from clients.aio import AsyncCoalesceClient
 from protos.coalesce.v1 import worker_pb2
+from tests.worker.test_decode_step import Counting
 from worker.config import WorkerSettings
 from worker.engine import Engine
 from worker.runner import ModelRunner
@@ -33,12 +36,18 @@ class RecordingEngine(Engine):
         return resp  # ... a tail block never is
 
 
-async def test_int8_tails_under_preemption_and_prefix_hits() -> None:
+@pytest.mark.parametrize("weights", ["dense", "int4"])  # int4: decode steps in one call (worker/quant_decode.py)
+async def test_int8_tails_under_preemption_and_prefix_hits(weights: str) -> None:
     # 1 MiB of int8 KV: 124 blocks, 49 for the interactive pool; 16 requests of ~4-6 blocks + a 2-block tail.
     settings = WorkerSettings(
-        model="builtin", device="cpu", dtype="float32", host="127.0.0.1", port=0, kv_cache_mb=1, kv_cache_dtype="int8"
-    )
-    engine = RecordingEngine(await asyncio.to_thread(ModelRunner.from_settings, settings))
+        model="builtin", device="cpu", dtype="float32", host="127.0.0.1", port=0, kv_cache_mb=1,
+        kv_cache_dtype="int8", weights=weights,  # type: ignore[arg-type]
+    )  # fmt: skip
+    runner = await asyncio.to_thread(ModelRunner.from_settings, settings)
+    count = None if runner.decode_step is None else Counting(runner.decode_step)
+    runner.decode_step = count  # type: ignore[assignment]
+    assert (count is not None) == (weights == "int4")
+    engine = RecordingEngine(runner)
     engine.tails = []
     stop = asyncio.Event()
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -58,6 +67,7 @@ async def test_int8_tails_under_preemption_and_prefix_hits() -> None:
         assert scheduler.bm.hits > 0  # the shared opening was served from the cache
         assert len(engine.tails) > 16  # preemptions: recomputed sequences were seen again, with new tails
         assert all(len(t) == 2 for t in engine.tails) and engine.clashes == 0
+        assert count is None or count.calls > 0
     finally:
         cp_stop.set()
         stop.set()
